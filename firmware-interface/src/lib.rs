@@ -1,0 +1,117 @@
+//! Byte-exact formats that kvstack shares with devices and disks.
+//!
+//! This crate holds layouts and pure conversions only: no I/O, no allocation on hot paths, no
+//! `unsafe`. Everything here is specified in `shared/spec/dsv41-kv.md` §5 and documented byte by
+//! byte in `docs/formats.md`.
+//!
+//! - [`element`]: the scalar element codecs E2M1, E4M3 "fn" and UE8M0.
+//! - [`entry`]: the three KV entry types ([`WindowFp8Entry`], [`GlobalFp4Entry`],
+//!   [`IndexMxfp4Entry`]) as zerocopy structs with compile-time size checks, and their scalar
+//!   reference quantizers, which every fast path in `kvstack-kernels` is tested against.
+#![forbid(unsafe_code)]
+
+pub mod element;
+pub mod entry;
+
+pub use entry::{GlobalFp4Entry, IndexMxfp4Entry, WindowFp8Entry};
+
+use std::fmt;
+use std::str::FromStr;
+
+/// Errors of this crate.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum Error {
+    /// A format name that is not one of [`EntryFormat::ALL`].
+    #[error("unknown entry format {name:?} (expected one of: fp8-window, fp4-global, mxfp4-index)")]
+    UnknownFormat {
+        /// The name that was given.
+        name: String,
+    },
+}
+
+/// One of the three KV entry formats of spec §5.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum EntryFormat {
+    /// Sliding-window KV, FP8 E4M3 with UE8M0 tile scales (spec §5.1), 528 bytes.
+    WindowFp8,
+    /// Compressed (global) KV, FP4 E2M1 with E4M3 tile scales (spec §5.2), 288 bytes.
+    GlobalFp4,
+    /// Indexer keys, MXFP4 (spec §5.3), 68 bytes.
+    IndexMxfp4,
+}
+
+impl EntryFormat {
+    /// Every format, in spec order.
+    pub const ALL: [EntryFormat; 3] = [
+        EntryFormat::WindowFp8,
+        EntryFormat::GlobalFp4,
+        EntryFormat::IndexMxfp4,
+    ];
+
+    /// The command-line and file name of the format (`fp8-window`, `fp4-global`, `mxfp4-index`).
+    pub const fn name(self) -> &'static str {
+        match self {
+            EntryFormat::WindowFp8 => "fp8-window",
+            EntryFormat::GlobalFp4 => "fp4-global",
+            EntryFormat::IndexMxfp4 => "mxfp4-index",
+        }
+    }
+
+    /// Elements (f32 values) per entry.
+    pub const fn dim(self) -> usize {
+        match self {
+            EntryFormat::WindowFp8 => WindowFp8Entry::DIM,
+            EntryFormat::GlobalFp4 => GlobalFp4Entry::DIM,
+            EntryFormat::IndexMxfp4 => IndexMxfp4Entry::DIM,
+        }
+    }
+
+    /// Bytes per encoded entry.
+    pub const fn entry_bytes(self) -> usize {
+        match self {
+            EntryFormat::WindowFp8 => WindowFp8Entry::BYTES,
+            EntryFormat::GlobalFp4 => GlobalFp4Entry::BYTES,
+            EntryFormat::IndexMxfp4 => IndexMxfp4Entry::BYTES,
+        }
+    }
+
+    /// Elements per scale tile.
+    pub const fn tile(self) -> usize {
+        match self {
+            EntryFormat::WindowFp8 => WindowFp8Entry::TILE,
+            EntryFormat::GlobalFp4 => GlobalFp4Entry::TILE,
+            EntryFormat::IndexMxfp4 => IndexMxfp4Entry::TILE,
+        }
+    }
+}
+
+impl fmt::Display for EntryFormat {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for EntryFormat {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self, Error> {
+        EntryFormat::ALL
+            .into_iter()
+            .find(|f| f.name() == s)
+            .ok_or_else(|| Error::UnknownFormat { name: s.to_owned() })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_roundtrip_and_unknown_is_rejected() {
+        for f in EntryFormat::ALL {
+            assert_eq!(f.name().parse::<EntryFormat>(), Ok(f));
+        }
+        let err = "fp4".parse::<EntryFormat>().unwrap_err();
+        assert!(err.to_string().contains("\"fp4\""));
+    }
+}
