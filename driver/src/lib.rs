@@ -1,1 +1,57 @@
-//! placeholder
+//! kvstack's device and memory layer.
+//!
+//! Today this crate answers "what does this machine offer the stack?" ([`probe`]): memory,
+//! locked-memory limit, huge pages, io_uring, O_DIRECT on a data directory and the CUDA driver.
+//! Pinned host buffers, block I/O engines and GPU memory build on these probes: features decide
+//! what is compiled, a probe decides what runs, and the choice is logged.
+//!
+//! Nothing here requires special hardware: every probe reports absence plainly instead of
+//! failing.
+
+pub mod pinned;
+pub mod probe;
+
+pub use pinned::{DeviceSharedRegion, PinnedOptions, PinnedRegion, VolatileView};
+pub use probe::{HostReport, probe_host};
+
+/// Errors of the driver layer.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A pinned region of zero bytes was requested.
+    #[error("a pinned region must not be empty")]
+    ZeroSizedRegion,
+    /// The requested size overflows when rounded up to whole pages.
+    #[error("a pinned region of {bytes} bytes is too large to map")]
+    RegionTooLarge {
+        /// Bytes requested.
+        bytes: usize,
+    },
+    /// `mmap` failed.
+    #[error("cannot map {bytes} bytes of anonymous memory")]
+    Map {
+        /// Bytes asked of mmap.
+        bytes: usize,
+        /// The OS error (errno kept).
+        #[source]
+        source: std::io::Error,
+    },
+    /// `mlock` failed and locking was required.
+    #[error("cannot lock {bytes} bytes in memory (raise RLIMIT_MEMLOCK: `ulimit -l`, LimitMEMLOCK=)")]
+    Lock {
+        /// Bytes to lock.
+        bytes: usize,
+        /// The OS error (errno kept).
+        #[source]
+        source: std::io::Error,
+    },
+    /// A volatile access outside its view.
+    #[error("access of {count} bytes at offset {offset} is outside a {len}-byte region")]
+    OutOfBounds {
+        /// Start of the access.
+        offset: usize,
+        /// Bytes accessed.
+        count: usize,
+        /// Length of the view.
+        len: usize,
+    },
+}

@@ -1,6 +1,9 @@
 //! The scalar reference quantizers reproduce `shared/vectors/codecs` byte for byte (encode) and
 //! bit for bit (decode). The vectors come from an independent implementation (ml_dtypes).
 
+// Test code: a failed unwrap is a failed test, with its message.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use std::path::PathBuf;
 
 use kvstack_firmware_interface::entry::*;
@@ -12,7 +15,7 @@ fn vectors_dir() -> PathBuf {
 }
 
 fn read_f32(name: &str) -> Vec<f32> {
-    let bytes = std::fs::read(vectors_dir().join(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let bytes = std::fs::read(vectors_dir().join(name)).map_err(|e| format!("{name}: {e}")).unwrap();
     bytes
         .chunks_exact(4)
         .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
@@ -20,7 +23,7 @@ fn read_f32(name: &str) -> Vec<f32> {
 }
 
 fn read_u8(name: &str) -> Vec<u8> {
-    std::fs::read(vectors_dir().join(name)).unwrap_or_else(|e| panic!("{name}: {e}"))
+    std::fs::read(vectors_dir().join(name)).map_err(|e| format!("{name}: {e}")).unwrap()
 }
 
 macro_rules! check_format {

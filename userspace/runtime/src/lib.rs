@@ -1,1 +1,26 @@
-//! placeholder
+//! kvstack runtime: model configuration, the CSA2 layer plan and the cache-entry arithmetic.
+//!
+//! - [`config`]: [`ModelConfig`] parsed from a Hugging Face `config.json` (flat or with the text
+//!   model nested under `text_config`) and the attention [`Generation`] it belongs to.
+//! - [`plan`]: the per-layer [`LayerPlan`] (which layers own compressed KV / indexer keys, which
+//!   reuse them), validated by the rules of spec §4.
+//! - [`calc`]: the cache arithmetic of spec §6 ([`CacheReport`]): persistent bytes per token,
+//!   the per-sequence constant, per-layer rows and the four levers, derived from the config and
+//!   the storage formats.
+//!
+//! The formulas, entry layouts and numbers are written out in `docs/cache-arithmetic.md`.
+
+pub mod builtin;
+pub mod calc;
+pub mod config;
+mod error;
+mod frac;
+pub mod plan;
+
+pub use calc::{
+    CacheReport, Comparison, FormatOverrides, GlobalFormat, IndexFormat, Levers, StorageFormats,
+    compare, format_ratio,
+};
+pub use config::{DetectedBy, Detection, Generation, ModelConfig};
+pub use error::{Error, Result};
+pub use plan::{LayerMode, LayerPlan, LayerSpec, PlanKind, Side};

@@ -1,0 +1,517 @@
+//! Pinned host memory for cache pools.
+//!
+//! A [`PinnedRegion`] is a page-aligned anonymous mapping: zero-initialised by the kernel, backed
+//! by huge pages when it can be, locked with `mlock` when the locked-memory limit allows (else
+//! left unpinned, with one warning that says why and how to raise the limit), and unmapped on
+//! drop.
+//!
+//! # DMA contract
+//!
+//! While a region is a plain [`PinnedRegion`] only the CPU touches it, so it hands out ordinary
+//! `&[u8]` / `&mut [u8]` slices. Memory that a device (an NVMe controller, a GPU, the kernel's
+//! io_uring workers) may write at any moment must never be seen through a Rust reference: the
+//! compiler may assume referenced bytes do not change behind its back, so such a reference is
+//! undefined behaviour. A region that is handed to devices therefore becomes a
+//! [`DeviceSharedRegion`] ([`PinnedRegion::into_device_shared`]), which offers only a
+//! [`VolatileView`] (volatile copies in and out) and the raw address range for registration.
+//! Turning it back into a CPU-private region is `unsafe`: the caller must first make sure that
+//! every device mapping and every in-flight transfer has ended.
+
+use std::io;
+use std::marker::PhantomData;
+use std::ptr::NonNull;
+use std::sync::Once;
+
+use crate::Error;
+
+/// Whether to try huge pages.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum HugePages {
+    /// Explicit huge pages (`MAP_HUGETLB`) if reserved, else transparent huge pages via
+    /// `madvise`, else normal pages. Regions below one huge page always use normal pages.
+    #[default]
+    Auto,
+    /// Normal pages only.
+    Never,
+}
+
+/// Whether to lock the region in memory.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Locking {
+    /// Try `mlock`; on failure keep the region unpinned and warn once.
+    #[default]
+    BestEffort,
+    /// Fail with [`Error::Lock`] if the region cannot be locked.
+    Required,
+    /// Do not lock.
+    Never,
+}
+
+/// How a region is backed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub enum Backing {
+    /// Explicit huge pages from the reserved pool (`MAP_HUGETLB`).
+    HugeTlb,
+    /// Normal pages with `MADV_HUGEPAGE`: the kernel may back them with transparent huge pages.
+    TransparentHuge,
+    /// Normal pages.
+    Pages,
+}
+
+/// Options of [`PinnedRegion::new`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PinnedOptions {
+    /// Huge page policy.
+    pub huge_pages: HugePages,
+    /// Locking policy.
+    pub locking: Locking,
+}
+
+/// The operating-system calls a region needs, so the policy above them is unit-tested with a
+/// fake that fails on demand (as a kernel without huge pages or with a low memlock limit would).
+pub(crate) trait Os {
+    fn page_size(&self) -> usize;
+    fn huge_page_size(&self) -> Option<usize>;
+    fn map(&self, len: usize, huge_tlb: bool) -> io::Result<NonNull<u8>>;
+    fn advise_huge(&self, ptr: NonNull<u8>, len: usize) -> io::Result<()>;
+    fn lock(&self, ptr: NonNull<u8>, len: usize) -> io::Result<()>;
+    fn unmap(&self, ptr: NonNull<u8>, len: usize);
+}
+
+/// The real system calls.
+pub(crate) struct LinuxOs;
+
+impl Os for LinuxOs {
+    fn page_size(&self) -> usize {
+        // SAFETY: sysconf reads a constant of the running kernel; no memory is passed.
+        let v = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+        usize::try_from(v).ok().filter(|&p| p > 0).unwrap_or(4096)
+    }
+
+    fn huge_page_size(&self) -> Option<usize> {
+        let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+        let m = crate::probe::parse_meminfo(&text);
+        (m.huge_page_bytes > 0).then(|| usize::try_from(m.huge_page_bytes).ok()).flatten()
+    }
+
+    fn map(&self, len: usize, huge_tlb: bool) -> io::Result<NonNull<u8>> {
+        let mut flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS;
+        if huge_tlb {
+            flags |= libc::MAP_HUGETLB;
+        }
+        // SAFETY: an anonymous private mapping at an address the kernel chooses; it aliases no
+        // existing Rust object. The result is checked for MAP_FAILED before use.
+        let p = unsafe {
+            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, flags, -1, 0)
+        };
+        if p == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        NonNull::new(p.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned null"))
+    }
+
+    fn advise_huge(&self, ptr: NonNull<u8>, len: usize) -> io::Result<()> {
+        // SAFETY: the range is exactly a mapping this process owns; madvise only changes the
+        // kernel's paging policy for it.
+        let rc = unsafe { libc::madvise(ptr.as_ptr().cast(), len, libc::MADV_HUGEPAGE) };
+        if rc == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
+    }
+
+    fn lock(&self, ptr: NonNull<u8>, len: usize) -> io::Result<()> {
+        // SAFETY: the range is exactly a mapping this process owns; mlock faults the pages in
+        // and pins them, which does not change their contents.
+        let rc = unsafe { libc::mlock(ptr.as_ptr().cast(), len) };
+        if rc == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
+    }
+
+    fn unmap(&self, ptr: NonNull<u8>, len: usize) {
+        // SAFETY: `ptr..ptr+len` is exactly one mapping created by `map` with this length, and
+        // the owner is being dropped, so nothing refers to it any more. munmap also unlocks.
+        let rc = unsafe { libc::munmap(ptr.as_ptr().cast(), len) };
+        if rc != 0 {
+            log::error!("munmap of {len} bytes failed: {}", io::Error::last_os_error());
+        }
+    }
+}
+
+static LOCK_WARNING: Once = Once::new();
+
+fn warn_unpinned(len: usize, err: &io::Error) {
+    LOCK_WARNING.call_once(|| {
+        let limit = crate::probe::memlock_limit()
+            .ok()
+            .and_then(|l| l.soft_bytes)
+            .map_or_else(|| "unlimited".to_owned(), |b| format!("{} KiB", b / 1024));
+        log::warn!(
+            "cannot lock a {len}-byte cache pool in memory ({err}; RLIMIT_MEMLOCK is {limit}): \
+             using unpinned memory, which the kernel may swap or migrate. Raise the limit with \
+             `ulimit -l unlimited`, LimitMEMLOCK=infinity in the systemd unit, or \
+             /etc/security/limits.conf. (This warning is shown once.)"
+        );
+    });
+}
+
+/// Raw ownership of one mapping; unmaps on drop.
+struct Mapping {
+    ptr: NonNull<u8>,
+    len: usize,
+    requested: usize,
+    backing: Backing,
+    locked: bool,
+}
+
+fn round_up(len: usize, to: usize) -> Option<usize> {
+    len.checked_add(to - 1).map(|v| v / to * to)
+}
+
+fn map_region(os: &dyn Os, requested: usize, opts: PinnedOptions) -> Result<Mapping, Error> {
+    if requested == 0 {
+        return Err(Error::ZeroSizedRegion);
+    }
+    let page = os.page_size();
+    let too_big = || Error::RegionTooLarge { bytes: requested };
+    let mut mapping = None;
+    if opts.huge_pages == HugePages::Auto
+        && let Some(huge) = os.huge_page_size()
+        && requested >= huge
+    {
+        let len = round_up(requested, huge).ok_or_else(too_big)?;
+        match os.map(len, true) {
+            Ok(ptr) => mapping = Some((ptr, len, Backing::HugeTlb)),
+            // No reserved huge pages (ENOMEM) or no hugetlbfs support: fall through quietly.
+            Err(e) => log::debug!("MAP_HUGETLB for {len} bytes failed ({e}); using normal pages"),
+        }
+    }
+    let (ptr, len, backing) = match mapping {
+        Some(m) => m,
+        None => {
+            let len = round_up(requested, page).ok_or_else(too_big)?;
+            let ptr = os.map(len, false).map_err(|source| Error::Map { bytes: len, source })?;
+            let want_thp = opts.huge_pages == HugePages::Auto
+                && os.huge_page_size().is_some_and(|h| len >= h);
+            let backing = if want_thp && os.advise_huge(ptr, len).is_ok() {
+                Backing::TransparentHuge
+            } else {
+                Backing::Pages
+            };
+            (ptr, len, backing)
+        }
+    };
+    let mut m = Mapping { ptr, len, requested, backing, locked: false };
+    match opts.locking {
+        Locking::Never => {}
+        Locking::BestEffort => match os.lock(ptr, len) {
+            Ok(()) => m.locked = true,
+            Err(e) => warn_unpinned(len, &e),
+        },
+        Locking::Required => {
+            if let Err(source) = os.lock(ptr, len) {
+                os.unmap(ptr, len);
+                return Err(Error::Lock { bytes: len, source });
+            }
+            m.locked = true;
+        }
+    }
+    Ok(m)
+}
+
+/// A page-aligned, zero-initialised anonymous mapping, pinned when possible, owned by the CPU.
+/// See the module docs for the DMA contract.
+pub struct PinnedRegion {
+    map: Mapping,
+    os: &'static dyn Os,
+}
+
+// SAFETY: a PinnedRegion uniquely owns its mapping (like a Vec<u8> owns its buffer); the raw
+// pointer is only dereferenced through &self / &mut self methods, so moving it to another thread
+// or sharing & across threads has the same guarantees as Vec<u8>.
+unsafe impl Send for PinnedRegion {}
+// SAFETY: see Send: &PinnedRegion only allows reads of CPU-private memory.
+unsafe impl Sync for PinnedRegion {}
+
+impl PinnedRegion {
+    /// Maps at least `bytes` bytes (rounded up to the page or huge page size).
+    pub fn new(bytes: usize, opts: PinnedOptions) -> Result<PinnedRegion, Error> {
+        static OS: LinuxOs = LinuxOs;
+        Self::new_with(&OS, bytes, opts)
+    }
+
+    pub(crate) fn new_with(
+        os: &'static dyn Os,
+        bytes: usize,
+        opts: PinnedOptions,
+    ) -> Result<PinnedRegion, Error> {
+        let map = map_region(os, bytes, opts)?;
+        log::debug!(
+            "pinned region: {} bytes ({} requested), {:?}, locked: {}",
+            map.len,
+            map.requested,
+            map.backing,
+            map.locked
+        );
+        Ok(PinnedRegion { map, os })
+    }
+
+    /// Usable length in bytes (the request rounded up to whole pages).
+    pub fn len(&self) -> usize {
+        self.map.len
+    }
+
+    /// Always false: zero-sized regions are refused.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Bytes that were asked for.
+    pub fn requested_len(&self) -> usize {
+        self.map.requested
+    }
+
+    /// How the region is backed.
+    pub fn backing(&self) -> Backing {
+        self.map.backing
+    }
+
+    /// Whether `mlock` succeeded.
+    pub fn is_locked(&self) -> bool {
+        self.map.locked
+    }
+
+    /// The region's bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: ptr..ptr+len is one live, initialised (zero-filled) mapping owned by self; only
+        // the CPU accesses it while it is a PinnedRegion, and &self forbids writers.
+        unsafe { std::slice::from_raw_parts(self.map.ptr.as_ptr(), self.map.len) }
+    }
+
+    /// The region's bytes, mutably.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in as_slice, and &mut self makes this the only access.
+        unsafe { std::slice::from_raw_parts_mut(self.map.ptr.as_ptr(), self.map.len) }
+    }
+
+    /// Hands the region to devices: from now on it is reached only through volatile accesses.
+    pub fn into_device_shared(self) -> DeviceSharedRegion {
+        DeviceSharedRegion { inner: self }
+    }
+}
+
+impl Drop for PinnedRegion {
+    fn drop(&mut self) {
+        self.os.unmap(self.map.ptr, self.map.len);
+    }
+}
+
+impl std::fmt::Debug for PinnedRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PinnedRegion")
+            .field("len", &self.map.len)
+            .field("backing", &self.map.backing)
+            .field("locked", &self.map.locked)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A pinned region that devices may read and write at any time (see the module's DMA
+/// contract). The CPU reaches it only through [`VolatileView`].
+#[derive(Debug)]
+pub struct DeviceSharedRegion {
+    inner: PinnedRegion,
+}
+
+impl DeviceSharedRegion {
+    /// Start address and length, for registering the region with a device (io_uring fixed
+    /// buffers, `cuMemHostRegister`, VFIO DMA maps). The address stays valid until drop.
+    pub fn raw_parts(&self) -> (NonNull<u8>, usize) {
+        (self.inner.map.ptr, self.inner.map.len)
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.inner.len()
+    }
+
+    /// Always false: zero-sized regions are refused.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// A volatile view of the whole region.
+    pub fn volatile(&self) -> VolatileView<'_> {
+        VolatileView { ptr: self.inner.map.ptr, len: self.inner.map.len, _life: PhantomData }
+    }
+
+    /// Takes the region back for CPU-only use.
+    ///
+    /// # Safety
+    /// Every device mapping of the region must have been removed and every transfer into or out
+    /// of it must have completed; afterwards no device may access it until it is shared again.
+    pub unsafe fn into_cpu_private(self) -> PinnedRegion {
+        self.inner
+    }
+}
+
+/// A bounds-checked window onto memory a device may change concurrently. Reads and writes are
+/// volatile copies; no Rust reference to the bytes ever exists.
+#[derive(Clone, Copy, Debug)]
+pub struct VolatileView<'a> {
+    ptr: NonNull<u8>,
+    len: usize,
+    _life: PhantomData<&'a DeviceSharedRegion>,
+}
+
+impl VolatileView<'_> {
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the view is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn check(&self, offset: usize, count: usize) -> Result<(), Error> {
+        match offset.checked_add(count) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(Error::OutOfBounds { offset, count, len: self.len }),
+        }
+    }
+
+    /// Copies `dst.len()` bytes starting at `offset` out of the region.
+    pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), Error> {
+        self.check(offset, dst.len())?;
+        for (i, d) in dst.iter_mut().enumerate() {
+            // SAFETY: offset + i < len (checked above) lies inside the live mapping, which
+            // outlives 'a; a volatile read of a u8 has no alignment requirement.
+            *d = unsafe { self.ptr.as_ptr().add(offset + i).read_volatile() };
+        }
+        Ok(())
+    }
+
+    /// Copies `src` into the region starting at `offset`.
+    pub fn write(&self, offset: usize, src: &[u8]) -> Result<(), Error> {
+        self.check(offset, src.len())?;
+        for (i, s) in src.iter().enumerate() {
+            // SAFETY: as in read; the mapping is writable (PROT_WRITE) and no Rust reference to
+            // it exists, so a volatile store cannot invalidate one.
+            unsafe { self.ptr.as_ptr().add(offset + i).write_volatile(*s) };
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+
+    /// A fake kernel: maps with the real mmap (so memory is real) but fails huge pages and
+    /// mlock on demand, and records unmaps.
+    struct FakeOs {
+        huge: Option<usize>,
+        huge_tlb_fails: bool,
+        lock_fails: bool,
+        unmapped: Mutex<Vec<usize>>,
+    }
+
+    impl Os for FakeOs {
+        fn page_size(&self) -> usize {
+            LinuxOs.page_size()
+        }
+        fn huge_page_size(&self) -> Option<usize> {
+            self.huge
+        }
+        fn map(&self, len: usize, huge_tlb: bool) -> io::Result<NonNull<u8>> {
+            if huge_tlb && self.huge_tlb_fails {
+                return Err(io::Error::from_raw_os_error(libc::ENOMEM));
+            }
+            LinuxOs.map(len, false)
+        }
+        fn advise_huge(&self, ptr: NonNull<u8>, len: usize) -> io::Result<()> {
+            LinuxOs.advise_huge(ptr, len)
+        }
+        fn lock(&self, _: NonNull<u8>, _: usize) -> io::Result<()> {
+            if self.lock_fails { Err(io::Error::from_raw_os_error(libc::ENOMEM)) } else { Ok(()) }
+        }
+        fn unmap(&self, ptr: NonNull<u8>, len: usize) {
+            self.unmapped.lock().unwrap().push(len);
+            LinuxOs.unmap(ptr, len);
+        }
+    }
+
+    fn fake(huge_tlb_fails: bool, lock_fails: bool) -> &'static FakeOs {
+        Box::leak(Box::new(FakeOs {
+            huge: Some(2 << 20),
+            huge_tlb_fails,
+            lock_fails,
+            unmapped: Mutex::new(Vec::new()),
+        }))
+    }
+
+    #[test]
+    fn region_is_zeroed_page_aligned_and_writable() {
+        let mut r = PinnedRegion::new(10_000, PinnedOptions::default()).unwrap();
+        assert!(r.len() >= 10_000 && r.len() % 4096 == 0);
+        assert_eq!(r.as_slice().as_ptr() as usize % 4096, 0);
+        assert!(r.as_slice().iter().all(|&b| b == 0));
+        r.as_mut_slice()[9_999] = 7;
+        assert_eq!(r.as_slice()[9_999], 7);
+    }
+
+    #[test]
+    fn zero_bytes_is_refused() {
+        assert!(matches!(
+            PinnedRegion::new(0, PinnedOptions::default()),
+            Err(Error::ZeroSizedRegion)
+        ));
+    }
+
+    #[test]
+    fn lock_failure_falls_back_to_unpinned_or_fails_when_required() {
+        let os = fake(true, true);
+        let r = PinnedRegion::new_with(os, 4 << 20, PinnedOptions::default()).unwrap();
+        assert!(!r.is_locked());
+        // HUGETLB failed, so the region uses normal pages with the THP hint.
+        assert_ne!(r.backing(), Backing::HugeTlb);
+        drop(r);
+        assert_eq!(os.unmapped.lock().unwrap().as_slice(), &[4 << 20]);
+
+        let err = PinnedRegion::new_with(
+            os,
+            4096,
+            PinnedOptions { locking: Locking::Required, ..Default::default() },
+        )
+        .unwrap_err();
+        assert!(matches!(err, Error::Lock { .. }), "{err}");
+        // The failed region was unmapped, not leaked.
+        assert_eq!(os.unmapped.lock().unwrap().len(), 2);
+    }
+
+    #[test]
+    fn huge_tlb_rounds_to_whole_huge_pages() {
+        // The fake "succeeds" MAP_HUGETLB with normal pages, which is enough to check sizing.
+        let os = fake(false, false);
+        let r = PinnedRegion::new_with(os, (2 << 20) + 1, PinnedOptions::default()).unwrap();
+        assert_eq!(r.backing(), Backing::HugeTlb);
+        assert_eq!(r.len(), 4 << 20);
+        assert!(r.is_locked());
+        let small = PinnedRegion::new_with(os, 8192, PinnedOptions::default()).unwrap();
+        assert_eq!(small.backing(), Backing::Pages);
+    }
+
+    #[test]
+    fn volatile_view_is_bounds_checked() {
+        let r = PinnedRegion::new(4096, PinnedOptions::default()).unwrap().into_device_shared();
+        let v = r.volatile();
+        v.write(4090, &[1, 2, 3, 4, 5, 6]).unwrap();
+        let mut out = [0u8; 6];
+        v.read(4090, &mut out).unwrap();
+        assert_eq!(out, [1, 2, 3, 4, 5, 6]);
+        assert!(matches!(v.write(4091, &[0; 6]), Err(Error::OutOfBounds { .. })));
+        assert!(matches!(v.read(usize::MAX, &mut out), Err(Error::OutOfBounds { .. })));
+        // SAFETY: no device ever saw this region.
+        let back = unsafe { r.into_cpu_private() };
+        assert_eq!(&back.as_slice()[4090..], &[1, 2, 3, 4, 5, 6]);
+    }
+}

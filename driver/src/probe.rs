@@ -1,0 +1,390 @@
+//! Host probes: every question is answered with a value or a plain reason, never a crash.
+//!
+//! The probes that read kernel files are split into a reader and a pure parser so the parsers are
+//! unit-tested on fixed text (the values a kernel would write).
+
+use std::fs::OpenOptions;
+use std::io;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+
+/// Memory facts from `/proc/meminfo`, in bytes.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct MemInfo {
+    /// `MemTotal`.
+    pub total_bytes: u64,
+    /// `MemAvailable`.
+    pub available_bytes: u64,
+    /// `Hugepagesize` (the default explicit huge page size).
+    pub huge_page_bytes: u64,
+    /// `HugePages_Total`: explicit huge pages reserved by the administrator.
+    pub huge_pages_total: u64,
+    /// `HugePages_Free`.
+    pub huge_pages_free: u64,
+}
+
+/// Parses `/proc/meminfo` text. Missing keys read as 0.
+pub fn parse_meminfo(text: &str) -> MemInfo {
+    let mut m = MemInfo::default();
+    for line in text.lines() {
+        let mut parts = line.split_whitespace();
+        let (Some(key), Some(value)) = (parts.next(), parts.next()) else { continue };
+        let Ok(value) = value.parse::<u64>() else { continue };
+        // Sizes carry a "kB" unit (meaning KiB); counts have none.
+        let kib = |v: u64| v.saturating_mul(1024);
+        match key {
+            "MemTotal:" => m.total_bytes = kib(value),
+            "MemAvailable:" => m.available_bytes = kib(value),
+            "Hugepagesize:" => m.huge_page_bytes = kib(value),
+            "HugePages_Total:" => m.huge_pages_total = value,
+            "HugePages_Free:" => m.huge_pages_free = value,
+            _ => {}
+        }
+    }
+    m
+}
+
+/// Parses `/sys/kernel/mm/transparent_hugepage/enabled` (e.g. `always [madvise] never`) and
+/// returns the selected mode.
+pub fn parse_thp_mode(text: &str) -> Option<String> {
+    let start = text.find('[')?;
+    let end = text[start..].find(']')? + start;
+    Some(text[start + 1..end].to_owned())
+}
+
+/// The `RLIMIT_MEMLOCK` limits of this process; `None` means unlimited.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct MemlockLimit {
+    /// Soft limit in bytes (what `mlock` is checked against).
+    pub soft_bytes: Option<u64>,
+    /// Hard limit in bytes (how far the soft limit may be raised without privilege).
+    pub hard_bytes: Option<u64>,
+}
+
+/// Reads the locked-memory limit with `getrlimit`.
+pub fn memlock_limit() -> io::Result<MemlockLimit> {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: `getrlimit` writes one `rlimit` through a valid, exclusively borrowed pointer and
+    // keeps no reference to it.
+    let rc = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut lim) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let conv = |v: libc::rlim_t| if v == libc::RLIM_INFINITY { None } else { Some(v) };
+    Ok(MemlockLimit { soft_bytes: conv(lim.rlim_cur), hard_bytes: conv(lim.rlim_max) })
+}
+
+/// Outcome of one capability probe: available or not, with the reason when not.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Capability {
+    /// Whether the capability can be used.
+    pub available: bool,
+    /// What was found (on success) or why not (on failure), in words.
+    pub detail: String,
+}
+
+impl Capability {
+    fn yes(detail: impl Into<String>) -> Self {
+        Capability { available: true, detail: detail.into() }
+    }
+    fn no(detail: impl Into<String>) -> Self {
+        Capability { available: false, detail: detail.into() }
+    }
+}
+
+/// Probes io_uring by creating (and dropping) a small ring.
+///
+/// io_uring may be missing (old kernel: `ENOSYS`), disabled by `kernel.io_uring_disabled`
+/// (`EPERM`) or blocked by a seccomp policy (often `EPERM` or `ENOSYS` too).
+pub fn probe_io_uring() -> Capability {
+    match io_uring::IoUring::new(4) {
+        Ok(ring) => {
+            let p = ring.params();
+            Capability::yes(format!(
+                "ring created (sq {} entries, features {:#x})",
+                p.sq_entries(),
+                features_bits(p)
+            ))
+        }
+        Err(e) => Capability::no(match e.raw_os_error() {
+            Some(libc::ENOSYS) => format!("kernel has no io_uring ({e})"),
+            Some(libc::EPERM) => {
+                format!("io_uring refused ({e}): check sysctl kernel.io_uring_disabled or seccomp")
+            }
+            _ => format!("io_uring_setup failed: {e}"),
+        }),
+    }
+}
+
+fn features_bits(p: &io_uring::Parameters) -> u32 {
+    // Each accessor reports one IORING_FEAT_* bit; collect the ones the stack cares about.
+    let mut bits = 0u32;
+    if p.is_feature_nodrop() {
+        bits |= 1 << 1;
+    }
+    if p.is_feature_submit_stable() {
+        bits |= 1 << 2;
+    }
+    if p.is_feature_fast_poll() {
+        bits |= 1 << 5;
+    }
+    bits
+}
+
+/// Probes whether files in `dir` accept `O_DIRECT` reads and writes of one aligned 4 KiB block.
+///
+/// Creates a hidden scratch file, writes and reads one block with `O_DIRECT`, and removes it.
+/// `EINVAL` at open or at the first I/O is how file systems such as tmpfs refuse direct I/O.
+/// If `dir` does not exist yet, its nearest existing ancestor is probed (that is the file system
+/// the directory will be created on) and the detail says so.
+pub fn probe_o_direct(dir: &Path) -> Capability {
+    let mut target = dir.to_path_buf();
+    while !target.is_dir() {
+        match target.parent() {
+            Some(p) if !p.as_os_str().is_empty() => target = p.to_path_buf(),
+            _ => {
+                target = PathBuf::from(".");
+                break;
+            }
+        }
+    }
+    let via = if target == dir {
+        String::new()
+    } else {
+        format!(" (probed {} since {} does not exist yet)", target.display(), dir.display())
+    };
+    let path = target.join(format!(".kvstack-odirect-probe-{}", std::process::id()));
+    let result = direct_io_roundtrip(&path);
+    // Best effort: a leftover scratch file is harmless, and the probe result matters more.
+    let _ = std::fs::remove_file(&path);
+    match result {
+        Ok(()) => Capability::yes(format!("4 KiB O_DIRECT write+read succeeded{via}")),
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Capability::no(format!(
+            "file system refuses O_DIRECT ({e}){via}; kvstack falls back to buffered I/O there"
+        )),
+        Err(e) => Capability::no(format!("O_DIRECT probe failed: {e}{via}")),
+    }
+}
+
+fn direct_io_roundtrip(path: &Path) -> io::Result<()> {
+    const BLOCK: usize = 4096;
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)?;
+    // An over-allocated Vec gives a 4 KiB-aligned window without unsafe code.
+    let mut buf = vec![0u8; 2 * BLOCK];
+    let off = buf.as_ptr().align_offset(BLOCK);
+    let block = buf
+        .get_mut(off..off + BLOCK)
+        .ok_or_else(|| io::Error::other("could not align a probe buffer"))?;
+    block.fill(0xA5);
+    file.write_all_at(block, 0)?;
+    block.fill(0);
+    file.read_exact_at(block, 0)?;
+    if block.iter().any(|&b| b != 0xA5) {
+        return Err(io::Error::other("O_DIRECT read returned different bytes than written"));
+    }
+    Ok(())
+}
+
+/// What the CUDA probe found.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct CudaReport {
+    /// Whether this build includes CUDA support (the `cuda` feature).
+    pub compiled: bool,
+    /// Whether the CUDA driver library (libcuda) can be loaded.
+    pub driver_library: bool,
+    /// Number of CUDA devices, when the driver initialised.
+    pub devices: Option<u32>,
+    /// The driver's CUDA version as `major.minor`, when the driver initialised.
+    pub driver_version: Option<String>,
+    /// Why no device is usable, in words (None when devices were found).
+    pub detail: Option<String>,
+}
+
+/// Probes the CUDA driver. Asks cudarc's `is_culib_present()` first: any other cudarc call
+/// panics when libcuda is missing.
+pub fn probe_cuda() -> CudaReport {
+    #[cfg(feature = "cuda")]
+    {
+        cuda::probe()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        CudaReport {
+            compiled: false,
+            driver_library: false,
+            devices: None,
+            driver_version: None,
+            detail: Some("built without the `cuda` feature".to_owned()),
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::CudaReport;
+    use cudarc::driver::sys;
+
+    pub(super) fn probe() -> CudaReport {
+        let mut report = CudaReport {
+            compiled: true,
+            driver_library: false,
+            devices: None,
+            driver_version: None,
+            detail: None,
+        };
+        // SAFETY: `is_culib_present` only tries to dlopen the driver library by its usual
+        // names; loading libcuda runs its initialisers, which is the documented way to use it.
+        report.driver_library = unsafe { sys::is_culib_present() };
+        if !report.driver_library {
+            report.detail = Some("no CUDA driver library (libcuda.so) on this machine".to_owned());
+            return report;
+        }
+        // Error codes are reported as numbers: formatting them through the driver would call
+        // back into a library that just failed.
+        // SAFETY: the library is present (checked above); `cuInit` takes flags by value.
+        let rc = unsafe { sys::cuInit(0) };
+        if rc != sys::CUresult::CUDA_SUCCESS {
+            report.detail = Some(format!("cuInit failed with CUresult {}", rc as u32));
+            return report;
+        }
+        let mut version: std::ffi::c_int = 0;
+        // SAFETY: driver initialised; the pointer is valid for one c_int write.
+        if unsafe { sys::cuDriverGetVersion(&mut version) } == sys::CUresult::CUDA_SUCCESS {
+            report.driver_version = Some(format!("{}.{}", version / 1000, (version % 1000) / 10));
+        }
+        let mut count: std::ffi::c_int = 0;
+        // SAFETY: driver initialised; the pointer is valid for one c_int write.
+        let rc = unsafe { sys::cuDeviceGetCount(&mut count) };
+        if rc != sys::CUresult::CUDA_SUCCESS {
+            report.detail = Some(format!("cuDeviceGetCount failed with CUresult {}", rc as u32));
+            return report;
+        }
+        report.devices = u32::try_from(count).ok();
+        if count == 0 {
+            report.detail = Some("driver loaded but no CUDA device is visible".to_owned());
+        }
+        report
+    }
+}
+
+/// Everything [`probe_host`] found.
+#[derive(Clone, Debug, Serialize)]
+pub struct HostReport {
+    /// CPU model name from `/proc/cpuinfo`, if readable.
+    pub cpu_model: Option<String>,
+    /// CPUs this process may run on.
+    pub logical_cpus: usize,
+    /// Memory and explicit huge pages; None (with `meminfo_error`) if unreadable.
+    pub memory: Option<MemInfo>,
+    /// Why `/proc/meminfo` could not be read.
+    pub meminfo_error: Option<String>,
+    /// Transparent huge page mode (`always`, `madvise`, `never`), if the kernel has THP.
+    pub transparent_huge_pages: Option<String>,
+    /// Locked-memory limit; None (with `memlock_error`) if `getrlimit` failed.
+    pub memlock: Option<MemlockLimit>,
+    /// Why the locked-memory limit could not be read.
+    pub memlock_error: Option<String>,
+    /// io_uring availability.
+    pub io_uring: Capability,
+    /// The data directory that was probed for O_DIRECT.
+    pub data_dir: PathBuf,
+    /// O_DIRECT on the data directory's file system.
+    pub o_direct: Capability,
+    /// CUDA driver and devices.
+    pub cuda: CudaReport,
+}
+
+/// Runs every host probe. `data_dir` is where kvstack would keep its SSD tier.
+pub fn probe_host(data_dir: &Path) -> HostReport {
+    let cpu_model = std::fs::read_to_string("/proc/cpuinfo").ok().and_then(|t| {
+        t.lines()
+            .find(|l| l.starts_with("model name"))
+            .and_then(|l| l.split_once(':'))
+            .map(|(_, v)| v.trim().to_owned())
+    });
+    let logical_cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let (memory, meminfo_error) = match std::fs::read_to_string("/proc/meminfo") {
+        Ok(t) => (Some(parse_meminfo(&t)), None),
+        Err(e) => (None, Some(format!("cannot read /proc/meminfo: {e}"))),
+    };
+    let transparent_huge_pages =
+        std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
+            .ok()
+            .and_then(|t| parse_thp_mode(&t));
+    let (memlock, memlock_error) = match memlock_limit() {
+        Ok(m) => (Some(m), None),
+        Err(e) => (None, Some(format!("getrlimit(RLIMIT_MEMLOCK) failed: {e}"))),
+    };
+    let io_uring = probe_io_uring();
+    let o_direct = probe_o_direct(data_dir);
+    let cuda = probe_cuda();
+    log::debug!("io_uring: {io_uring:?}; O_DIRECT: {o_direct:?}; CUDA: {cuda:?}");
+    HostReport {
+        cpu_model,
+        logical_cpus,
+        memory,
+        meminfo_error,
+        transparent_huge_pages,
+        memlock,
+        memlock_error,
+        io_uring,
+        data_dir: data_dir.to_path_buf(),
+        o_direct,
+        cuda,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MEMINFO: &str = "MemTotal:       24589948 kB\nMemFree:        23000000 kB\n\
+MemAvailable:   23500000 kB\nHugePages_Total:       4\nHugePages_Free:        3\n\
+Hugepagesize:       2048 kB\n";
+
+    #[test]
+    fn meminfo_parses_sizes_and_counts() {
+        let m = parse_meminfo(MEMINFO);
+        assert_eq!(m.total_bytes, 24589948 * 1024);
+        assert_eq!(m.available_bytes, 23500000 * 1024);
+        assert_eq!(m.huge_pages_total, 4);
+        assert_eq!(m.huge_pages_free, 3);
+        assert_eq!(m.huge_page_bytes, 2 << 20);
+    }
+
+    #[test]
+    fn meminfo_tolerates_garbage() {
+        assert_eq!(parse_meminfo("nonsense\nMemTotal: lots kB\n"), MemInfo::default());
+    }
+
+    #[test]
+    fn thp_mode_is_the_bracketed_word() {
+        assert_eq!(parse_thp_mode("always [madvise] never\n").as_deref(), Some("madvise"));
+        assert_eq!(parse_thp_mode("always madvise never"), None);
+    }
+
+    #[test]
+    fn o_direct_probe_on_missing_dir_probes_an_ancestor() {
+        let dir = std::env::temp_dir().join("kvstack-probe-test-missing/a/b");
+        let cap = probe_o_direct(&dir);
+        // Whatever the file system answers, the report must say which directory it probed.
+        assert!(cap.detail.contains("does not exist yet") || !cap.available, "{cap:?}");
+    }
+
+    #[test]
+    fn probes_never_panic() {
+        let r = probe_host(Path::new("."));
+        assert!(r.logical_cpus >= 1);
+        // No GPU in CI: the CUDA probe must report absence, not crash.
+        if !r.cuda.driver_library {
+            assert!(r.cuda.detail.is_some());
+        }
+    }
+}
