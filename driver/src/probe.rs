@@ -54,6 +54,38 @@ pub fn parse_thp_mode(text: &str) -> Option<String> {
     Some(text[start + 1..end].to_owned())
 }
 
+/// Resident-set sizes of this process from `/proc/self/status`, in bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Rss {
+    /// `VmRSS`: resident now.
+    pub current_bytes: u64,
+    /// `VmHWM`: the peak ("high water mark") since the process started.
+    pub peak_bytes: u64,
+}
+
+/// Parses `/proc/self/status` text for `VmRSS` and `VmHWM`.
+pub fn parse_rss(text: &str) -> Rss {
+    let mut r = Rss::default();
+    for line in text.lines() {
+        let mut parts = line.split_whitespace();
+        let (Some(key), Some(Ok(kib))) = (parts.next(), parts.next().map(str::parse::<u64>))
+        else {
+            continue;
+        };
+        match key {
+            "VmRSS:" => r.current_bytes = kib.saturating_mul(1024),
+            "VmHWM:" => r.peak_bytes = kib.saturating_mul(1024),
+            _ => {}
+        }
+    }
+    r
+}
+
+/// Reads this process's current and peak resident set size.
+pub fn rss() -> io::Result<Rss> {
+    Ok(parse_rss(&std::fs::read_to_string("/proc/self/status")?))
+}
+
 /// The `RLIMIT_MEMLOCK` limits of this process; `None` means unlimited.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct MemlockLimit {
@@ -362,6 +394,14 @@ Hugepagesize:       2048 kB\n";
     #[test]
     fn meminfo_tolerates_garbage() {
         assert_eq!(parse_meminfo("nonsense\nMemTotal: lots kB\n"), MemInfo::default());
+    }
+
+    #[test]
+    fn rss_parses_current_and_peak() {
+        let r = parse_rss("Name:\tx\nVmHWM:\t  2048 kB\nVmRSS:\t  1024 kB\n");
+        assert_eq!(r, Rss { current_bytes: 1 << 20, peak_bytes: 2 << 20 });
+        let live = rss().unwrap();
+        assert!(live.peak_bytes >= live.current_bytes && live.current_bytes > 0);
     }
 
     #[test]
