@@ -10,9 +10,11 @@
 
 pub mod pinned;
 pub mod probe;
+pub mod reserve;
 
 pub use pinned::{DeviceSharedRegion, PinnedOptions, PinnedRegion, VolatileView};
 pub use probe::{HostReport, probe_host};
+pub use reserve::GrowableRegion;
 
 /// Errors of the driver layer.
 #[derive(Debug, thiserror::Error)]
@@ -36,9 +38,30 @@ pub enum Error {
         source: std::io::Error,
     },
     /// `mlock` failed and locking was required.
-    #[error("cannot lock {bytes} bytes in memory (raise RLIMIT_MEMLOCK: `ulimit -l`, LimitMEMLOCK=)")]
+    #[error(
+        "cannot lock {bytes} bytes in memory (raise RLIMIT_MEMLOCK: `ulimit -l`, LimitMEMLOCK=)"
+    )]
     Lock {
         /// Bytes to lock.
+        bytes: usize,
+        /// The OS error (errno kept).
+        #[source]
+        source: std::io::Error,
+    },
+    /// A growable region was asked to commit more than it reserved.
+    #[error("cannot commit {requested} bytes of a region that reserved {capacity}")]
+    CapacityExceeded {
+        /// Bytes asked for.
+        requested: usize,
+        /// Bytes reserved.
+        capacity: usize,
+    },
+    /// The kernel refused to commit (or decommit) a range of a growable region.
+    #[error("cannot commit {bytes} bytes at offset {offset} of a reserved region")]
+    Commit {
+        /// Start of the range within the region.
+        offset: usize,
+        /// Length of the range.
         bytes: usize,
         /// The OS error (errno kept).
         #[source]

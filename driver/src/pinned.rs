@@ -91,7 +91,9 @@ impl Os for LinuxOs {
     fn huge_page_size(&self) -> Option<usize> {
         let text = std::fs::read_to_string("/proc/meminfo").ok()?;
         let m = crate::probe::parse_meminfo(&text);
-        (m.huge_page_bytes > 0).then(|| usize::try_from(m.huge_page_bytes).ok()).flatten()
+        (m.huge_page_bytes > 0)
+            .then(|| usize::try_from(m.huge_page_bytes).ok())
+            .flatten()
     }
 
     fn map(&self, len: usize, huge_tlb: bool) -> io::Result<NonNull<u8>> {
@@ -102,7 +104,14 @@ impl Os for LinuxOs {
         // SAFETY: an anonymous private mapping at an address the kernel chooses; it aliases no
         // existing Rust object. The result is checked for MAP_FAILED before use.
         let p = unsafe {
-            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, flags, -1, 0)
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                flags,
+                -1,
+                0,
+            )
         };
         if p == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
@@ -114,14 +123,22 @@ impl Os for LinuxOs {
         // SAFETY: the range is exactly a mapping this process owns; madvise only changes the
         // kernel's paging policy for it.
         let rc = unsafe { libc::madvise(ptr.as_ptr().cast(), len, libc::MADV_HUGEPAGE) };
-        if rc == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(io::Error::last_os_error())
+        }
     }
 
     fn lock(&self, ptr: NonNull<u8>, len: usize) -> io::Result<()> {
         // SAFETY: the range is exactly a mapping this process owns; mlock faults the pages in
         // and pins them, which does not change their contents.
         let rc = unsafe { libc::mlock(ptr.as_ptr().cast(), len) };
-        if rc == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(io::Error::last_os_error())
+        }
     }
 
     fn unmap(&self, ptr: NonNull<u8>, len: usize) {
@@ -129,14 +146,19 @@ impl Os for LinuxOs {
         // the owner is being dropped, so nothing refers to it any more. munmap also unlocks.
         let rc = unsafe { libc::munmap(ptr.as_ptr().cast(), len) };
         if rc != 0 {
-            log::error!("munmap of {len} bytes failed: {}", io::Error::last_os_error());
+            log::error!(
+                "munmap of {len} bytes failed: {}",
+                io::Error::last_os_error()
+            );
         }
     }
 }
 
 static LOCK_WARNING: Once = Once::new();
 
-fn warn_unpinned(len: usize, err: &io::Error) {
+/// Logs, once per process, that a cache pool could not be locked, why, and how to raise the
+/// limit. Shared by every kind of pinned memory so the warning appears only once.
+pub(crate) fn warn_unpinned(len: usize, err: &io::Error) {
     LOCK_WARNING.call_once(|| {
         let limit = crate::probe::memlock_limit()
             .ok()
@@ -186,9 +208,11 @@ fn map_region(os: &dyn Os, requested: usize, opts: PinnedOptions) -> Result<Mapp
         Some(m) => m,
         None => {
             let len = round_up(requested, page).ok_or_else(too_big)?;
-            let ptr = os.map(len, false).map_err(|source| Error::Map { bytes: len, source })?;
-            let want_thp = opts.huge_pages == HugePages::Auto
-                && os.huge_page_size().is_some_and(|h| len >= h);
+            let ptr = os
+                .map(len, false)
+                .map_err(|source| Error::Map { bytes: len, source })?;
+            let want_thp =
+                opts.huge_pages == HugePages::Auto && os.huge_page_size().is_some_and(|h| len >= h);
             let backing = if want_thp && os.advise_huge(ptr, len).is_ok() {
                 Backing::TransparentHuge
             } else {
@@ -197,7 +221,13 @@ fn map_region(os: &dyn Os, requested: usize, opts: PinnedOptions) -> Result<Mapp
             (ptr, len, backing)
         }
     };
-    let mut m = Mapping { ptr, len, requested, backing, locked: false };
+    let mut m = Mapping {
+        ptr,
+        len,
+        requested,
+        backing,
+        locked: false,
+    };
     match opts.locking {
         Locking::Never => {}
         Locking::BestEffort => match os.lock(ptr, len) {
@@ -338,7 +368,11 @@ impl DeviceSharedRegion {
 
     /// A volatile view of the whole region.
     pub fn volatile(&self) -> VolatileView<'_> {
-        VolatileView { ptr: self.inner.map.ptr, len: self.inner.map.len, _life: PhantomData }
+        VolatileView {
+            ptr: self.inner.map.ptr,
+            len: self.inner.map.len,
+            _life: PhantomData,
+        }
     }
 
     /// Takes the region back for CPU-only use.
@@ -374,7 +408,11 @@ impl VolatileView<'_> {
     fn check(&self, offset: usize, count: usize) -> Result<(), Error> {
         match offset.checked_add(count) {
             Some(end) if end <= self.len => Ok(()),
-            _ => Err(Error::OutOfBounds { offset, count, len: self.len }),
+            _ => Err(Error::OutOfBounds {
+                offset,
+                count,
+                len: self.len,
+            }),
         }
     }
 
@@ -432,7 +470,11 @@ mod tests {
             LinuxOs.advise_huge(ptr, len)
         }
         fn lock(&self, _: NonNull<u8>, _: usize) -> io::Result<()> {
-            if self.lock_fails { Err(io::Error::from_raw_os_error(libc::ENOMEM)) } else { Ok(()) }
+            if self.lock_fails {
+                Err(io::Error::from_raw_os_error(libc::ENOMEM))
+            } else {
+                Ok(())
+            }
         }
         fn unmap(&self, ptr: NonNull<u8>, len: usize) {
             self.unmapped.lock().unwrap().push(len);
@@ -452,7 +494,7 @@ mod tests {
     #[test]
     fn region_is_zeroed_page_aligned_and_writable() {
         let mut r = PinnedRegion::new(10_000, PinnedOptions::default()).unwrap();
-        assert!(r.len() >= 10_000 && r.len() % 4096 == 0);
+        assert!(r.len() >= 10_000 && r.len().is_multiple_of(4096));
         assert_eq!(r.as_slice().as_ptr() as usize % 4096, 0);
         assert!(r.as_slice().iter().all(|&b| b == 0));
         r.as_mut_slice()[9_999] = 7;
@@ -480,7 +522,10 @@ mod tests {
         let err = PinnedRegion::new_with(
             os,
             4096,
-            PinnedOptions { locking: Locking::Required, ..Default::default() },
+            PinnedOptions {
+                locking: Locking::Required,
+                ..Default::default()
+            },
         )
         .unwrap_err();
         assert!(matches!(err, Error::Lock { .. }), "{err}");
@@ -502,14 +547,22 @@ mod tests {
 
     #[test]
     fn volatile_view_is_bounds_checked() {
-        let r = PinnedRegion::new(4096, PinnedOptions::default()).unwrap().into_device_shared();
+        let r = PinnedRegion::new(4096, PinnedOptions::default())
+            .unwrap()
+            .into_device_shared();
         let v = r.volatile();
         v.write(4090, &[1, 2, 3, 4, 5, 6]).unwrap();
         let mut out = [0u8; 6];
         v.read(4090, &mut out).unwrap();
         assert_eq!(out, [1, 2, 3, 4, 5, 6]);
-        assert!(matches!(v.write(4091, &[0; 6]), Err(Error::OutOfBounds { .. })));
-        assert!(matches!(v.read(usize::MAX, &mut out), Err(Error::OutOfBounds { .. })));
+        assert!(matches!(
+            v.write(4091, &[0; 6]),
+            Err(Error::OutOfBounds { .. })
+        ));
+        assert!(matches!(
+            v.read(usize::MAX, &mut out),
+            Err(Error::OutOfBounds { .. })
+        ));
         // SAFETY: no device ever saw this region.
         let back = unsafe { r.into_cpu_private() };
         assert_eq!(&back.as_slice()[4090..], &[1, 2, 3, 4, 5, 6]);

@@ -30,8 +30,12 @@ pub fn parse_meminfo(text: &str) -> MemInfo {
     let mut m = MemInfo::default();
     for line in text.lines() {
         let mut parts = line.split_whitespace();
-        let (Some(key), Some(value)) = (parts.next(), parts.next()) else { continue };
-        let Ok(value) = value.parse::<u64>() else { continue };
+        let (Some(key), Some(value)) = (parts.next(), parts.next()) else {
+            continue;
+        };
+        let Ok(value) = value.parse::<u64>() else {
+            continue;
+        };
         // Sizes carry a "kB" unit (meaning KiB); counts have none.
         let kib = |v: u64| v.saturating_mul(1024);
         match key {
@@ -68,8 +72,7 @@ pub fn parse_rss(text: &str) -> Rss {
     let mut r = Rss::default();
     for line in text.lines() {
         let mut parts = line.split_whitespace();
-        let (Some(key), Some(Ok(kib))) = (parts.next(), parts.next().map(str::parse::<u64>))
-        else {
+        let (Some(key), Some(Ok(kib))) = (parts.next(), parts.next().map(str::parse::<u64>)) else {
             continue;
         };
         match key {
@@ -97,15 +100,27 @@ pub struct MemlockLimit {
 
 /// Reads the locked-memory limit with `getrlimit`.
 pub fn memlock_limit() -> io::Result<MemlockLimit> {
-    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
     // SAFETY: `getrlimit` writes one `rlimit` through a valid, exclusively borrowed pointer and
     // keeps no reference to it.
     let rc = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut lim) };
     if rc != 0 {
         return Err(io::Error::last_os_error());
     }
-    let conv = |v: libc::rlim_t| if v == libc::RLIM_INFINITY { None } else { Some(v) };
-    Ok(MemlockLimit { soft_bytes: conv(lim.rlim_cur), hard_bytes: conv(lim.rlim_max) })
+    let conv = |v: libc::rlim_t| {
+        if v == libc::RLIM_INFINITY {
+            None
+        } else {
+            Some(v)
+        }
+    };
+    Ok(MemlockLimit {
+        soft_bytes: conv(lim.rlim_cur),
+        hard_bytes: conv(lim.rlim_max),
+    })
 }
 
 /// Outcome of one capability probe: available or not, with the reason when not.
@@ -119,10 +134,16 @@ pub struct Capability {
 
 impl Capability {
     fn yes(detail: impl Into<String>) -> Self {
-        Capability { available: true, detail: detail.into() }
+        Capability {
+            available: true,
+            detail: detail.into(),
+        }
     }
     fn no(detail: impl Into<String>) -> Self {
-        Capability { available: false, detail: detail.into() }
+        Capability {
+            available: false,
+            detail: detail.into(),
+        }
     }
 }
 
@@ -185,7 +206,11 @@ pub fn probe_o_direct(dir: &Path) -> Capability {
     let via = if target == dir {
         String::new()
     } else {
-        format!(" (probed {} since {} does not exist yet)", target.display(), dir.display())
+        format!(
+            " (probed {} since {} does not exist yet)",
+            target.display(),
+            dir.display()
+        )
     };
     let path = target.join(format!(".kvstack-odirect-probe-{}", std::process::id()));
     let result = direct_io_roundtrip(&path);
@@ -219,7 +244,9 @@ fn direct_io_roundtrip(path: &Path) -> io::Result<()> {
     block.fill(0);
     file.read_exact_at(block, 0)?;
     if block.iter().any(|&b| b != 0xA5) {
-        return Err(io::Error::other("O_DIRECT read returned different bytes than written"));
+        return Err(io::Error::other(
+            "O_DIRECT read returned different bytes than written",
+        ));
     }
     Ok(())
 }
@@ -295,7 +322,10 @@ mod cuda {
         // SAFETY: driver initialised; the pointer is valid for one c_int write.
         let rc = unsafe { sys::cuDeviceGetCount(&mut count) };
         if rc != sys::CUresult::CUDA_SUCCESS {
-            report.detail = Some(format!("cuDeviceGetCount failed with CUresult {}", rc as u32));
+            report.detail = Some(format!(
+                "cuDeviceGetCount failed with CUresult {}",
+                rc as u32
+            ));
             return report;
         }
         report.devices = u32::try_from(count).ok();
@@ -341,7 +371,9 @@ pub fn probe_host(data_dir: &Path) -> HostReport {
             .and_then(|l| l.split_once(':'))
             .map(|(_, v)| v.trim().to_owned())
     });
-    let logical_cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let logical_cpus = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
     let (memory, meminfo_error) = match std::fs::read_to_string("/proc/meminfo") {
         Ok(t) => (Some(parse_meminfo(&t)), None),
         Err(e) => (None, Some(format!("cannot read /proc/meminfo: {e}"))),
@@ -393,20 +425,32 @@ Hugepagesize:       2048 kB\n";
 
     #[test]
     fn meminfo_tolerates_garbage() {
-        assert_eq!(parse_meminfo("nonsense\nMemTotal: lots kB\n"), MemInfo::default());
+        assert_eq!(
+            parse_meminfo("nonsense\nMemTotal: lots kB\n"),
+            MemInfo::default()
+        );
     }
 
     #[test]
     fn rss_parses_current_and_peak() {
         let r = parse_rss("Name:\tx\nVmHWM:\t  2048 kB\nVmRSS:\t  1024 kB\n");
-        assert_eq!(r, Rss { current_bytes: 1 << 20, peak_bytes: 2 << 20 });
+        assert_eq!(
+            r,
+            Rss {
+                current_bytes: 1 << 20,
+                peak_bytes: 2 << 20
+            }
+        );
         let live = rss().unwrap();
         assert!(live.peak_bytes >= live.current_bytes && live.current_bytes > 0);
     }
 
     #[test]
     fn thp_mode_is_the_bracketed_word() {
-        assert_eq!(parse_thp_mode("always [madvise] never\n").as_deref(), Some("madvise"));
+        assert_eq!(
+            parse_thp_mode("always [madvise] never\n").as_deref(),
+            Some("madvise")
+        );
         assert_eq!(parse_thp_mode("always madvise never"), None);
     }
 
@@ -415,7 +459,10 @@ Hugepagesize:       2048 kB\n";
         let dir = std::env::temp_dir().join("kvstack-probe-test-missing/a/b");
         let cap = probe_o_direct(&dir);
         // Whatever the file system answers, the report must say which directory it probed.
-        assert!(cap.detail.contains("does not exist yet") || !cap.available, "{cap:?}");
+        assert!(
+            cap.detail.contains("does not exist yet") || !cap.available,
+            "{cap:?}"
+        );
     }
 
     #[test]

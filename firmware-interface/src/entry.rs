@@ -88,9 +88,9 @@ impl IndexMxfp4Entry {
 const _: () = assert!(size_of::<WindowFp8Entry>() == WindowFp8Entry::BYTES);
 const _: () = assert!(size_of::<GlobalFp4Entry>() == GlobalFp4Entry::BYTES);
 const _: () = assert!(size_of::<IndexMxfp4Entry>() == IndexMxfp4Entry::BYTES);
-const _: () = assert!(WindowFp8Entry::DIM % WindowFp8Entry::TILE == 0);
-const _: () = assert!(GlobalFp4Entry::DIM % GlobalFp4Entry::TILE == 0);
-const _: () = assert!(IndexMxfp4Entry::DIM % IndexMxfp4Entry::TILE == 0);
+const _: () = assert!(WindowFp8Entry::DIM.is_multiple_of(WindowFp8Entry::TILE));
+const _: () = assert!(GlobalFp4Entry::DIM.is_multiple_of(GlobalFp4Entry::TILE));
+const _: () = assert!(IndexMxfp4Entry::DIM.is_multiple_of(IndexMxfp4Entry::TILE));
 
 /// `f32(1/448)`, the rounded reciprocal spec §5.1 multiplies by.
 pub const INV_448: f32 = 1.0 / 448.0;

@@ -15,7 +15,9 @@ fn vectors_dir() -> PathBuf {
 }
 
 fn read_f32(name: &str) -> Vec<f32> {
-    let bytes = std::fs::read(vectors_dir().join(name)).map_err(|e| format!("{name}: {e}")).unwrap();
+    let bytes = std::fs::read(vectors_dir().join(name))
+        .map_err(|e| format!("{name}: {e}"))
+        .unwrap();
     bytes
         .chunks_exact(4)
         .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
@@ -23,7 +25,9 @@ fn read_f32(name: &str) -> Vec<f32> {
 }
 
 fn read_u8(name: &str) -> Vec<u8> {
-    std::fs::read(vectors_dir().join(name)).map_err(|e| format!("{name}: {e}")).unwrap()
+    std::fs::read(vectors_dir().join(name))
+        .map_err(|e| format!("{name}: {e}"))
+        .unwrap()
 }
 
 macro_rules! check_format {

@@ -1,1 +1,144 @@
-fn main() {}
+//! `kvstack`: the command-line tool of the kvstack KV-cache stack.
+//!
+//! Exit codes: 0 success, 1 a command failed (the error chain is printed once on stderr),
+//! 2 bad command-line usage (printed by clap). A closed standard output (`kvstack calc | head`)
+//! is not an error.
+
+mod bench;
+mod calc;
+mod codec;
+mod error;
+mod info;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use kvstack_firmware_interface::EntryFormat;
+
+use crate::error::CliError;
+
+/// kvstack: store, compute and serve the KV cache of DeepSeek-V4.1-Flash-class models.
+#[derive(Parser)]
+#[command(name = "kvstack", version, about, propagate_version = true)]
+struct Cli {
+    /// More log output (-v info, -vv debug, -vvv trace); RUST_LOG overrides.
+    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    verbose: u8,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Cache-entry arithmetic of a model config (spec §6): bytes per token, per-sequence
+    /// constant, per-layer table and the four levers.
+    Calc(calc::CalcArgs),
+    /// Encode f32 rows into KV entries or decode entries back (raw little-endian files).
+    Codec {
+        #[command(subcommand)]
+        op: CodecOp,
+    },
+    /// What this machine offers the stack: SIMD, cores, memory, memlock, huge pages,
+    /// io_uring, O_DIRECT on the data directory, CUDA.
+    Info {
+        /// Data directory whose file system is probed for O_DIRECT.
+        #[arg(long, default_value = "kvstack-data")]
+        data_dir: PathBuf,
+        /// Print one JSON object instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Benchmarks that print ratios to limits measured in the same run.
+    Bench {
+        #[command(subcommand)]
+        which: BenchWhich,
+    },
+}
+
+#[derive(Subcommand)]
+enum CodecOp {
+    /// f32 rows in, one entry per row out.
+    Encode(CodecArgs),
+    /// Entries in, f32 rows out.
+    Decode(CodecArgs),
+}
+
+#[derive(Args)]
+struct CodecArgs {
+    /// Entry format.
+    #[arg(long, value_enum)]
+    format: FormatArg,
+    /// Input file.
+    #[arg(long)]
+    input: PathBuf,
+    /// Output file (replaced atomically).
+    #[arg(long)]
+    output: PathBuf,
+}
+
+/// Entry formats as the command line spells them.
+#[derive(Clone, Copy, ValueEnum)]
+enum FormatArg {
+    /// Window KV, FP8 E4M3 + UE8M0 scales, 512 values, 528 B (spec §5.1).
+    #[value(name = "fp8-window")]
+    Fp8Window,
+    /// Global KV, FP4 E2M1 + E4M3 scales, 512 values, 288 B (spec §5.2).
+    #[value(name = "fp4-global")]
+    Fp4Global,
+    /// Indexer keys, MXFP4, 128 values, 68 B (spec §5.3).
+    #[value(name = "mxfp4-index")]
+    Mxfp4Index,
+}
+
+impl From<FormatArg> for EntryFormat {
+    fn from(f: FormatArg) -> Self {
+        match f {
+            FormatArg::Fp8Window => EntryFormat::WindowFp8,
+            FormatArg::Fp4Global => EntryFormat::GlobalFp4,
+            FormatArg::Mxfp4Index => EntryFormat::IndexMxfp4,
+        }
+    }
+}
+
+#[derive(Subcommand)]
+enum BenchWhich {
+    /// Quantize / dequantize / fused-dot throughput per format vs memcpy and memory read
+    /// bandwidth measured in the same run (one thread).
+    Codecs(bench::CodecsArgs),
+}
+
+fn run(cli: Cli) -> Result<(), CliError> {
+    match cli.command {
+        Command::Calc(args) => calc::run(&args),
+        Command::Codec {
+            op: CodecOp::Encode(a),
+        } => codec::encode(a.format.into(), &a.input, &a.output),
+        Command::Codec {
+            op: CodecOp::Decode(a),
+        } => codec::decode(a.format.into(), &a.input, &a.output),
+        Command::Info { data_dir, json } => info::run(&data_dir, json),
+        Command::Bench {
+            which: BenchWhich::Codecs(args),
+        } => bench::codecs(&args),
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let level = match cli.verbose {
+        0 => "warn",
+        1 => "info",
+        2 => "debug",
+        _ => "trace",
+    };
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or(level)).init();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) if error::is_broken_pipe(&e) => ExitCode::SUCCESS,
+        Err(e) => {
+            error::print_chain(&e);
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -32,6 +32,9 @@ mod tests {
             serde_json::from_str(&std::fs::read_to_string(spec).unwrap()).unwrap();
         let embedded: serde_json::Value = serde_json::from_str(DEEPSEEK_V41_FLASH_JSON).unwrap();
         assert_eq!(embedded, from_spec);
-        assert_eq!(default_config().unwrap(), ModelConfig::from_file(spec).unwrap());
+        assert_eq!(
+            default_config().unwrap(),
+            ModelConfig::from_file(spec).unwrap()
+        );
     }
 }

@@ -425,15 +425,15 @@ impl ModelConfig {
                     },
                 });
             }
-        } else if let Some(mt) = &self.wrapper_model_type {
-            if let Some(generation) = Generation::from_model_type(mt) {
-                return Ok(Detection {
-                    generation,
-                    by: DetectedBy::WrapperModelType {
-                        model_type: mt.clone(),
-                    },
-                });
-            }
+        } else if let Some(mt) = &self.wrapper_model_type
+            && let Some(generation) = Generation::from_model_type(mt)
+        {
+            return Ok(Detection {
+                generation,
+                by: DetectedBy::WrapperModelType {
+                    model_type: mt.clone(),
+                },
+            });
         }
         let structural = if self.kv_source_layer_ids.is_some() {
             Some((Generation::V41Csa2, "kv_source_layer_ids"))

@@ -15,7 +15,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// The config file could not be read.
-    #[error("{}: cannot read config: {source}", path.display())]
+    #[error("{}: cannot read config", path.display())]
     Io {
         /// The file that was being read.
         path: PathBuf,
@@ -25,7 +25,7 @@ pub enum Error {
     },
 
     /// The config text is not valid JSON.
-    #[error("{}: invalid JSON: {source}", path.display())]
+    #[error("{}: invalid JSON", path.display())]
     Json {
         /// The file the text came from (`<string>` for text passed in memory).
         path: PathBuf,
@@ -84,6 +84,11 @@ pub enum Error {
         /// Why it does not apply.
         reason: String,
     },
+
+    /// An error of the paged KV cache ([`crate::cache`]); its message and source are the
+    /// cache error's own.
+    #[error(transparent)]
+    Cache(#[from] crate::cache::Error),
 }
 
 impl Error {

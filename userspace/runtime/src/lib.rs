@@ -11,6 +11,7 @@
 //! The formulas, entry layouts and numbers are written out in `docs/cache-arithmetic.md`.
 
 pub mod builtin;
+pub mod cache;
 pub mod calc;
 pub mod config;
 mod error;

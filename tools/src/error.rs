@@ -1,0 +1,87 @@
+//! The CLI's error type and the one place that prints an error chain.
+
+use std::path::PathBuf;
+
+/// Errors of the `kvstack` command-line tool.
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    /// A file could not be read.
+    #[error("cannot read {path}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A file could not be written.
+    #[error("cannot write {path}")]
+    Write {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// An input file's size does not fit the format.
+    #[error("{path}: {size} bytes is not a whole number of {unit} ({unit_bytes} bytes each)")]
+    FileSize {
+        /// The file.
+        path: PathBuf,
+        /// Its size.
+        size: u64,
+        /// What one unit is (e.g. "fp4-global entries").
+        unit: String,
+        /// Bytes per unit.
+        unit_bytes: usize,
+    },
+    /// An input file is empty.
+    #[error("{path}: file is empty")]
+    Empty {
+        /// The file.
+        path: PathBuf,
+    },
+    /// The codec rejected the data.
+    #[error("{path}: codec failed")]
+    Codec {
+        /// The input file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: kvstack_kernels::Error,
+    },
+    /// A model config could not be loaded (the cause names the file and field).
+    #[error("cannot load the model config")]
+    ConfigLoad(#[source] kvstack_runtime::Error),
+    /// A loaded config failed planning or the cache arithmetic.
+    #[error("{config}: cannot derive the cache arithmetic")]
+    Calc {
+        /// The config's file name (or the built-in name).
+        config: String,
+        /// The cause, naming the field and layer.
+        #[source]
+        source: kvstack_runtime::Error,
+    },
+    /// Writing to standard output failed.
+    #[error("cannot write to standard output")]
+    Stdout(#[source] std::io::Error),
+    /// JSON serialisation failed.
+    #[error("cannot serialise the report as JSON")]
+    Json(#[source] serde_json::Error),
+}
+
+/// Prints `err` and each of its causes once, outermost first.
+pub fn print_chain(err: &dyn std::error::Error) {
+    eprintln!("error: {err}");
+    let mut cause = err.source();
+    while let Some(c) = cause {
+        eprintln!("  caused by: {c}");
+        cause = c.source();
+    }
+}
+
+/// Whether the error is a broken pipe on standard output (e.g. `kvstack calc | head`), which is
+/// not a failure.
+pub fn is_broken_pipe(err: &CliError) -> bool {
+    matches!(err, CliError::Stdout(e) if e.kind() == std::io::ErrorKind::BrokenPipe)
+}
