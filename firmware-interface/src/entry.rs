@@ -4,7 +4,7 @@
 //! Layout of every entry: the value bytes, then the scale bytes (as in `shared/vectors/codecs`).
 //! Packed E2M1 bytes hold the EVEN element in the low nibble.
 
-use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
+use zerocopy::{FromBytes, FromZeros, Immutable, IntoBytes, KnownLayout, Unaligned};
 
 use crate::element::{
     E2M1_MAX, E4M3_MAX, E4M3_MIN_SUBNORMAL, e2m1_from_f32, e2m1_to_f32, e4m3_from_f32, e4m3_to_f32,
@@ -132,98 +132,135 @@ pub fn pack_e2m1(even: u8, odd: u8) -> u8 {
     (even & 0x0F) | (odd << 4)
 }
 
-/// Quantizes one 512-wide row into a window FP8 entry (scalar reference, spec §5.1).
-pub fn quantize_window_fp8(x: &[f32; WindowFp8Entry::DIM]) -> WindowFp8Entry {
-    let mut e = WindowFp8Entry {
-        values: [0; WindowFp8Entry::DIM],
-        scales: [0; WindowFp8Entry::TILES],
-    };
-    for (t, tile) in x.chunks_exact(WindowFp8Entry::TILE).enumerate() {
+// The tile loops below work on any row width that is a whole number of tiles; the fixed-size
+// entry functions and the width-generic row functions of [`crate::rows`] share them. Zipped
+// chunk iterators keep them free of index arithmetic (and of panics).
+
+pub(crate) fn fp8_quantize_tiles(x: &[f32], values: &mut [u8], scales: &mut [u8]) {
+    let tiles = x
+        .chunks_exact(WindowFp8Entry::TILE)
+        .zip(values.chunks_exact_mut(WindowFp8Entry::TILE));
+    for ((tile, out), scale) in tiles.zip(scales.iter_mut()) {
         let sb = fp8_window_scale(amax(tile));
-        e.scales[t] = sb;
+        *scale = sb;
         let s = ue8m0_to_f32(sb);
-        for (i, &v) in tile.iter().enumerate() {
-            e.values[t * WindowFp8Entry::TILE + i] =
-                e4m3_from_f32((v / s).clamp(-E4M3_MAX, E4M3_MAX));
+        for (o, &v) in out.iter_mut().zip(tile) {
+            *o = e4m3_from_f32((v / s).clamp(-E4M3_MAX, E4M3_MAX));
         }
     }
+}
+
+pub(crate) fn fp8_dequantize_tiles(values: &[u8], scales: &[u8], out: &mut [f32]) {
+    let tiles = out
+        .chunks_exact_mut(WindowFp8Entry::TILE)
+        .zip(values.chunks_exact(WindowFp8Entry::TILE));
+    for ((tile, codes), &sb) in tiles.zip(scales) {
+        let s = ue8m0_to_f32(sb);
+        for (o, &c) in tile.iter_mut().zip(codes) {
+            *o = e4m3_to_f32(c) * s;
+        }
+    }
+}
+
+pub(crate) fn fp4_quantize_tiles(x: &[f32], values: &mut [u8], scales: &mut [u8]) {
+    const T: usize = GlobalFp4Entry::TILE;
+    for ((tile, out), scale) in x
+        .chunks_exact(T)
+        .zip(values.chunks_exact_mut(T / 2))
+        .zip(scales.iter_mut())
+    {
+        let sb = fp4_global_scale(amax(tile));
+        *scale = sb;
+        let s = e4m3_to_f32(sb);
+        for (o, pair) in out.iter_mut().zip(tile.chunks_exact(2)) {
+            // IEEE division, not a multiply by a rounded reciprocal: the reciprocal misplaces
+            // exact E2M1 ties (spec §5.2).
+            let lo = e2m1_from_f32((pair[0] / s).clamp(-E2M1_MAX, E2M1_MAX));
+            let hi = e2m1_from_f32((pair[1] / s).clamp(-E2M1_MAX, E2M1_MAX));
+            *o = pack_e2m1(lo, hi);
+        }
+    }
+}
+
+pub(crate) fn mxfp4_quantize_tiles(x: &[f32], values: &mut [u8], scales: &mut [u8]) {
+    const T: usize = IndexMxfp4Entry::TILE;
+    for ((tile, out), scale) in x
+        .chunks_exact(T)
+        .zip(values.chunks_exact_mut(T / 2))
+        .zip(scales.iter_mut())
+    {
+        let sb = mxfp4_scale(amax(tile));
+        *scale = sb;
+        // The scale is a power of two well inside f32's normal range, so dividing by it and
+        // multiplying by its exact reciprocal give identical results.
+        let s = ue8m0_to_f32(sb);
+        for (o, pair) in out.iter_mut().zip(tile.chunks_exact(2)) {
+            *o = pack_e2m1(e2m1_from_f32(pair[0] / s), e2m1_from_f32(pair[1] / s));
+        }
+    }
+}
+
+/// Decodes packed E2M1 tiles of `tile` elements, each tile scaled by `scale(byte)`.
+pub(crate) fn e2m1_dequantize_tiles(
+    values: &[u8],
+    scales: &[u8],
+    tile: usize,
+    scale: fn(u8) -> f32,
+    out: &mut [f32],
+) {
+    for ((t, packed), &sb) in out
+        .chunks_exact_mut(tile)
+        .zip(values.chunks_exact(tile / 2))
+        .zip(scales)
+    {
+        let s = scale(sb);
+        for (pair, &b) in t.chunks_exact_mut(2).zip(packed) {
+            pair[0] = e2m1_to_f32(b & 0x0F) * s;
+            pair[1] = e2m1_to_f32(b >> 4) * s;
+        }
+    }
+}
+
+/// Quantizes one 512-wide row into a window FP8 entry (scalar reference, spec §5.1).
+pub fn quantize_window_fp8(x: &[f32; WindowFp8Entry::DIM]) -> WindowFp8Entry {
+    let mut e = WindowFp8Entry::new_zeroed();
+    fp8_quantize_tiles(x, &mut e.values, &mut e.scales);
     e
 }
 
 /// Dequantizes a window FP8 entry (scalar reference).
 pub fn dequantize_window_fp8(e: &WindowFp8Entry, out: &mut [f32; WindowFp8Entry::DIM]) {
-    for (t, tile) in out.chunks_exact_mut(WindowFp8Entry::TILE).enumerate() {
-        let s = ue8m0_to_f32(e.scales[t]);
-        for (i, o) in tile.iter_mut().enumerate() {
-            *o = e4m3_to_f32(e.values[t * WindowFp8Entry::TILE + i]) * s;
-        }
-    }
+    fp8_dequantize_tiles(&e.values, &e.scales, out);
 }
 
 /// Quantizes one 512-wide row into a global FP4 entry (scalar reference, spec §5.2).
 pub fn quantize_global_fp4(x: &[f32; GlobalFp4Entry::DIM]) -> GlobalFp4Entry {
-    let mut e = GlobalFp4Entry {
-        values: [0; GlobalFp4Entry::DIM / 2],
-        scales: [0; GlobalFp4Entry::TILES],
-    };
-    for (t, tile) in x.chunks_exact(GlobalFp4Entry::TILE).enumerate() {
-        let sb = fp4_global_scale(amax(tile));
-        e.scales[t] = sb;
-        let s = e4m3_to_f32(sb);
-        for (i, pair) in tile.chunks_exact(2).enumerate() {
-            // IEEE division, not a multiply by a rounded reciprocal: the reciprocal misplaces
-            // exact E2M1 ties (spec §5.2).
-            let lo = e2m1_from_f32((pair[0] / s).clamp(-E2M1_MAX, E2M1_MAX));
-            let hi = e2m1_from_f32((pair[1] / s).clamp(-E2M1_MAX, E2M1_MAX));
-            e.values[t * GlobalFp4Entry::TILE / 2 + i] = pack_e2m1(lo, hi);
-        }
-    }
+    let mut e = GlobalFp4Entry::new_zeroed();
+    fp4_quantize_tiles(x, &mut e.values, &mut e.scales);
     e
 }
 
 /// Dequantizes a global FP4 entry (scalar reference).
 pub fn dequantize_global_fp4(e: &GlobalFp4Entry, out: &mut [f32; GlobalFp4Entry::DIM]) {
-    for (t, tile) in out.chunks_exact_mut(GlobalFp4Entry::TILE).enumerate() {
-        let s = e4m3_to_f32(e.scales[t]);
-        for (i, pair) in tile.chunks_exact_mut(2).enumerate() {
-            let b = e.values[t * GlobalFp4Entry::TILE / 2 + i];
-            pair[0] = e2m1_to_f32(b & 0x0F) * s;
-            pair[1] = e2m1_to_f32(b >> 4) * s;
-        }
-    }
+    e2m1_dequantize_tiles(&e.values, &e.scales, GlobalFp4Entry::TILE, e4m3_to_f32, out);
 }
 
 /// Quantizes one 128-wide row into an MXFP4 index entry (scalar reference, spec §5.3).
 pub fn quantize_index_mxfp4(x: &[f32; IndexMxfp4Entry::DIM]) -> IndexMxfp4Entry {
-    let mut e = IndexMxfp4Entry {
-        values: [0; IndexMxfp4Entry::DIM / 2],
-        scales: [0; IndexMxfp4Entry::TILES],
-    };
-    for (t, tile) in x.chunks_exact(IndexMxfp4Entry::TILE).enumerate() {
-        let sb = mxfp4_scale(amax(tile));
-        e.scales[t] = sb;
-        // The scale is a power of two well inside f32's normal range, so dividing by it and
-        // multiplying by its exact reciprocal give identical results.
-        let s = ue8m0_to_f32(sb);
-        for (i, pair) in tile.chunks_exact(2).enumerate() {
-            let lo = e2m1_from_f32(pair[0] / s);
-            let hi = e2m1_from_f32(pair[1] / s);
-            e.values[t * IndexMxfp4Entry::TILE / 2 + i] = pack_e2m1(lo, hi);
-        }
-    }
+    let mut e = IndexMxfp4Entry::new_zeroed();
+    mxfp4_quantize_tiles(x, &mut e.values, &mut e.scales);
     e
 }
 
 /// Dequantizes an MXFP4 index entry (scalar reference).
 pub fn dequantize_index_mxfp4(e: &IndexMxfp4Entry, out: &mut [f32; IndexMxfp4Entry::DIM]) {
-    for (t, tile) in out.chunks_exact_mut(IndexMxfp4Entry::TILE).enumerate() {
-        let s = ue8m0_to_f32(e.scales[t]);
-        for (i, pair) in tile.chunks_exact_mut(2).enumerate() {
-            let b = e.values[t * IndexMxfp4Entry::TILE / 2 + i];
-            pair[0] = e2m1_to_f32(b & 0x0F) * s;
-            pair[1] = e2m1_to_f32(b >> 4) * s;
-        }
-    }
+    e2m1_dequantize_tiles(
+        &e.values,
+        &e.scales,
+        IndexMxfp4Entry::TILE,
+        ue8m0_to_f32,
+        out,
+    );
 }
 
 #[cfg(test)]

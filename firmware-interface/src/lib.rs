@@ -8,10 +8,12 @@
 //! - [`entry`]: the three KV entry types ([`WindowFp8Entry`], [`GlobalFp4Entry`],
 //!   [`IndexMxfp4Entry`]) as zerocopy structs with compile-time size checks, and their scalar
 //!   reference quantizers, which every fast path in `kvstack-kernels` is tested against.
+//! - [`rows`]: the same formats at any width that is a whole number of tiles (small models).
 #![forbid(unsafe_code)]
 
 pub mod element;
 pub mod entry;
+pub mod rows;
 
 pub use entry::{GlobalFp4Entry, IndexMxfp4Entry, WindowFp8Entry};
 
@@ -26,6 +28,28 @@ pub enum Error {
     UnknownFormat {
         /// The name that was given.
         name: String,
+    },
+    /// A row width that is not a positive whole number of the format's scale tiles.
+    #[error("{format} rows must be a positive multiple of {tile} values wide, not {dim}")]
+    RowWidth {
+        /// The format.
+        format: EntryFormat,
+        /// The width asked for.
+        dim: usize,
+        /// The format's tile size.
+        tile: usize,
+    },
+    /// A row buffer of the wrong length.
+    #[error("{format} row: expected {expected} {what}, got {actual}")]
+    RowLength {
+        /// The format.
+        format: EntryFormat,
+        /// `values` or `bytes`.
+        what: &'static str,
+        /// The length the layout needs.
+        expected: usize,
+        /// The length given.
+        actual: usize,
     },
 }
 
