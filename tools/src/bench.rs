@@ -120,3 +120,45 @@ pub fn codecs(args: &CodecsArgs) -> Result<(), CliError> {
     };
     w(&mut out).map_err(CliError::Stdout)
 }
+
+/// Arguments of `kvstack bench footprint`.
+#[derive(Args)]
+pub struct FootprintArgs {
+    /// Tokens in the one sequence built (K and M suffixes: x1024, x1024^2).
+    #[arg(long, value_parser = crate::calc::parse_tokens, default_value = "1M", value_name = "N")]
+    tokens: u64,
+    /// Print the report as JSON (`global_bytes_per_token`, `per_sequence_bytes`,
+    /// `peak_rss_bytes`, ...).
+    #[arg(long)]
+    json: bool,
+}
+
+/// Runs `kvstack bench footprint`: builds a real V4.1-Flash cache for one sequence and reports
+/// the bytes its pools allocated. Exits non-zero when a target of the issue is missed.
+pub fn footprint(args: &FootprintArgs) -> Result<(), CliError> {
+    let bar = indicatif::ProgressBar::new(args.tokens);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{msg} [{bar:40}] {human_pos}/{human_len} tokens ({per_sec}, eta {eta})",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+        .progress_chars("=> "),
+    );
+    bar.set_message("appending");
+    let report =
+        kvstack_runtime::cache::run_footprint_bench(args.tokens, |done| bar.set_position(done))
+            .map_err(CliError::Runtime)?;
+    bar.finish_and_clear();
+    let mut out = std::io::stdout().lock();
+    if args.json {
+        let text = serde_json::to_string_pretty(&report).map_err(CliError::Json)?;
+        writeln!(out, "{text}").map_err(CliError::Stdout)?;
+    } else {
+        write!(out, "{report}").map_err(CliError::Stdout)?;
+    }
+    if report.meets_targets() {
+        Ok(())
+    } else {
+        Err(CliError::TargetsMissed(report.failures.join("; ")))
+    }
+}

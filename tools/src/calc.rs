@@ -37,7 +37,8 @@ pub struct CalcArgs {
     json: bool,
 }
 
-fn parse_tokens(s: &str) -> Result<u64, String> {
+/// Parses a token count with an optional K / M suffix (x1024, x1024^2).
+pub fn parse_tokens(s: &str) -> Result<u64, String> {
     let t = s.trim();
     let (digits, mult) = match t.chars().last() {
         Some('k' | 'K') => (&t[..t.len() - 1], 1u64 << 10),

@@ -62,6 +62,12 @@ pub enum CliError {
         #[source]
         source: kvstack_runtime::Error,
     },
+    /// A runtime operation failed.
+    #[error("runtime error")]
+    Runtime(#[source] kvstack_runtime::Error),
+    /// A benchmark ran but missed one of its targets.
+    #[error("benchmark targets missed: {0}")]
+    TargetsMissed(String),
     /// Writing to standard output failed.
     #[error("cannot write to standard output")]
     Stdout(#[source] std::io::Error),

@@ -106,6 +106,9 @@ enum BenchWhich {
     /// Quantize / dequantize / fused-dot throughput per format vs memcpy and memory read
     /// bandwidth measured in the same run (one thread).
     Codecs(bench::CodecsArgs),
+    /// Measured footprint of a real V4.1-Flash paged cache holding one N-token sequence:
+    /// global bytes per token, per-sequence constant, metadata, peak RSS.
+    Footprint(bench::FootprintArgs),
 }
 
 fn run(cli: Cli) -> Result<(), CliError> {
@@ -121,6 +124,9 @@ fn run(cli: Cli) -> Result<(), CliError> {
         Command::Bench {
             which: BenchWhich::Codecs(args),
         } => bench::codecs(&args),
+        Command::Bench {
+            which: BenchWhich::Footprint(args),
+        } => bench::footprint(&args),
     }
 }
 

@@ -298,3 +298,15 @@ fn calc_reports_bad_configs_with_file_and_field() {
     assert_eq!(o.status.code(), Some(1));
     assert!(stderr(&o).contains("two-kv-heads.json"), "{}", stderr(&o));
 }
+
+#[test]
+fn bench_footprint_measures_the_pools() {
+    let o = kvstack(&["bench", "footprint", "--tokens", "64K", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    // 65,536 tokens fill whole pages, so the allocation is exactly the entry arithmetic.
+    assert_eq!(v["global_bytes_per_token"].as_f64(), Some(890.0));
+    assert_eq!(v["window_bytes"].as_u64(), Some(40 * 128 * 528));
+    assert!(v["per_sequence_bytes"].as_u64().unwrap() >= 40 * 128 * 528);
+    assert!(v["peak_rss_bytes"].as_u64().unwrap() > 0);
+}

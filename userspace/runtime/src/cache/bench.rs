@@ -157,9 +157,9 @@ impl std::fmt::Display for FootprintReport {
             self.locked_bytes, self.huge_page_bytes
         )?;
         if self.failures.is_empty() {
-            write!(f, "  targets met")
+            writeln!(f, "  targets met")
         } else {
-            write!(f, "  TARGETS MISSED: {}", self.failures.join("; "))
+            writeln!(f, "  TARGETS MISSED: {}", self.failures.join("; "))
         }
     }
 }
