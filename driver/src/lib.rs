@@ -1,13 +1,16 @@
 //! kvstack's device and memory layer.
 //!
-//! Today this crate answers "what does this machine offer the stack?" ([`probe`]): memory,
+//! This crate answers "what does this machine offer the stack?" ([`probe`]): memory,
 //! locked-memory limit, huge pages, io_uring, O_DIRECT on a data directory and the CUDA driver.
-//! Pinned host buffers, block I/O engines and GPU memory build on these probes: features decide
-//! what is compiled, a probe decides what runs, and the choice is logged.
+//! Pinned host buffers ([`pinned`], [`reserve`]), the block I/O engines of the SSD tier
+//! ([`blockio`]: io_uring with registered buffers, or synchronous pread/pwrite) and GPU memory
+//! build on these probes: features decide what is compiled, a probe decides what runs, and the
+//! choice is logged.
 //!
 //! Nothing here requires special hardware: every probe reports absence plainly instead of
 //! failing.
 
+pub mod blockio;
 pub mod pinned;
 pub mod probe;
 pub mod reserve;

@@ -9,10 +9,13 @@
 //!   [`IndexMxfp4Entry`]) as zerocopy structs with compile-time size checks, and their scalar
 //!   reference quantizers, which every fast path in `kvstack-kernels` is tested against.
 //! - [`rows`]: the same formats at any width that is a whole number of tiles (small models).
+//! - [`record`]: the SSD tier's segment and record headers (`docs/ssd-format.md`), with
+//!   CRC-32C checksums and validation before any arithmetic on values read from disk.
 #![forbid(unsafe_code)]
 
 pub mod element;
 pub mod entry;
+pub mod record;
 pub mod rows;
 
 pub use entry::{GlobalFp4Entry, IndexMxfp4Entry, WindowFp8Entry};
@@ -50,6 +53,87 @@ pub enum Error {
         expected: usize,
         /// The length given.
         actual: usize,
+    },
+    /// Fewer bytes than a header needs.
+    #[error("{what} truncated: {needed} bytes needed, {available} available")]
+    RecordTruncated {
+        /// `record header` or `segment header`.
+        what: &'static str,
+        /// Bytes the header needs.
+        needed: u64,
+        /// Bytes there were.
+        available: u64,
+    },
+    /// The magic number is wrong: not a header of this format (or overwritten).
+    #[error("bad {what} magic {found:02x?}")]
+    RecordMagic {
+        /// `record` or `segment`.
+        what: &'static str,
+        /// The bytes found.
+        found: [u8; 8],
+    },
+    /// A format version this code does not read.
+    #[error("format version {found} is not supported (this build reads version {supported})")]
+    RecordVersion {
+        /// The version found.
+        found: u16,
+        /// The version supported.
+        supported: u16,
+    },
+    /// The header-length field does not match the version's header size.
+    #[error("header length {found} differs from the expected {expected}")]
+    RecordHeaderLength {
+        /// The length found.
+        found: u16,
+        /// The length of this version's header.
+        expected: u16,
+    },
+    /// The header's CRC-32C does not match its bytes.
+    #[error("header checksum mismatch (stored {stored:#010x}, computed {computed:#010x})")]
+    RecordHeaderChecksum {
+        /// The CRC stored in the header.
+        stored: u32,
+        /// The CRC of the bytes read.
+        computed: u32,
+    },
+    /// A record kind this version does not know.
+    #[error("unknown record kind {code}")]
+    RecordKind {
+        /// The kind byte.
+        code: u8,
+    },
+    /// Flag bits outside the supported mask.
+    #[error("unsupported flags {bits:#x} (supported {supported:#x})")]
+    RecordFlags {
+        /// The flags found.
+        bits: u32,
+        /// The supported mask.
+        supported: u32,
+    },
+    /// Reserved bytes are not zero.
+    #[error("reserved header bytes are not zero")]
+    RecordReserved,
+    /// A payload length that is out of range or inconsistent with the header.
+    #[error("payload length {len}: {reason}")]
+    RecordPayloadLength {
+        /// The length.
+        len: u64,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// The payload's CRC-32C does not match its bytes.
+    #[error("payload checksum mismatch (stored {stored:#010x}, computed {computed:#010x})")]
+    RecordPayloadChecksum {
+        /// The CRC stored in the header.
+        stored: u32,
+        /// The CRC of the bytes read.
+        computed: u32,
+    },
+    /// A segment size that is not a multiple of 4 KiB of at least two pages.
+    #[error("segment size {bytes} is not a multiple of 4096 of at least 8192 bytes")]
+    SegmentSize {
+        /// The size found.
+        bytes: u64,
     },
 }
 

@@ -9,6 +9,9 @@
 //! - Every entry point has a `_with(level, ..)` form that forces a level (for tests and
 //!   benchmarks); the plain forms use [`detected_level`], chosen once per process.
 //! - [`mod@bench`]: throughput against memcpy and memory-read bandwidth measured in the same run.
+//! - [`csa2`]: the CSA2 attention building blocks of spec §4 at any width (GEMM, RMSNorm, RoPE
+//!   with YaRN, compressor, indexer, top-k, candidate pool, sparse attention, output
+//!   projection), each with a reference form its fast form is tested against.
 //!
 //! Levels: [`SimdLevel::Portable`] everywhere, [`SimdLevel::Avx2`] (AVX2 + FMA) on x86-64,
 //! chosen at run time with `is_x86_feature_detected!` (never from `-C target-cpu`).
@@ -36,9 +39,11 @@
 
 pub mod bench;
 mod codec;
+pub mod csa2;
 pub mod dot;
 mod error;
 mod level;
+pub mod model;
 mod portable;
 mod scalar;
 #[cfg(target_arch = "x86_64")]

@@ -65,12 +65,29 @@ pub enum CliError {
     /// A runtime operation failed.
     #[error("runtime error")]
     Runtime(#[source] kvstack_runtime::Error),
+    /// An SSD-store or tiers operation failed.
+    #[error("store operation failed")]
+    Store(#[source] kvstack_runtime::tiers::Error),
+    /// `kvstack store fsck` found damage (listed on standard output).
+    #[error("{0} damaged ranges or segments found")]
+    Damaged(usize),
     /// A benchmark ran but missed one of its targets.
     #[error("benchmark targets missed: {0}")]
     TargetsMissed(String),
     /// Writing to standard output failed.
     #[error("cannot write to standard output")]
     Stdout(#[source] std::io::Error),
+    /// `verify attention` could not run (the cause names the file, tensor or config field).
+    #[error("cannot run the attention verification")]
+    Verify(#[source] kvstack_runtime::attention::Error),
+    /// `verify attention` ran and some stages are out of tolerance.
+    #[error("verify attention: {failed} of {total} stage comparisons out of tolerance")]
+    VerifyFailed {
+        /// Failed comparisons.
+        failed: usize,
+        /// All comparisons.
+        total: usize,
+    },
     /// JSON serialisation failed.
     #[error("cannot serialise the report as JSON")]
     Json(#[source] serde_json::Error),

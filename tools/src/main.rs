@@ -5,10 +5,13 @@
 //! is not an error.
 
 mod bench;
+mod bench_tiers;
 mod calc;
 mod codec;
 mod error;
 mod info;
+mod store;
+mod verify;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -49,11 +52,28 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Inspect and check an SSD store (read-only).
+    Store {
+        #[command(subcommand)]
+        op: store::StoreOp,
+    },
     /// Benchmarks that print ratios to limits measured in the same run.
     Bench {
         #[command(subcommand)]
         which: BenchWhich,
     },
+    /// Check kvstack against reference dumps.
+    Verify {
+        #[command(subcommand)]
+        which: VerifyWhich,
+    },
+}
+
+#[derive(Subcommand)]
+enum VerifyWhich {
+    /// Run the CSA2 attention chain on a reference dump and compare every recorded stage
+    /// (exit 1 when one is out of tolerance).
+    Attention(verify::AttentionArgs),
 }
 
 #[derive(Subcommand)]
@@ -109,6 +129,9 @@ enum BenchWhich {
     /// Measured footprint of a real V4.1-Flash paged cache holding one N-token sequence:
     /// global bytes per token, per-sequence constant, metadata, peak RSS.
     Footprint(bench::FootprintArgs),
+    /// SSD store and DRAM window pool against fio and memcpy measured in the same run; restore
+    /// of a 131,072-token prefix; recovery time.
+    Tiers(bench_tiers::TiersArgs),
 }
 
 fn run(cli: Cli) -> Result<(), CliError> {
@@ -121,12 +144,19 @@ fn run(cli: Cli) -> Result<(), CliError> {
             op: CodecOp::Decode(a),
         } => codec::decode(a.format.into(), &a.input, &a.output),
         Command::Info { data_dir, json } => info::run(&data_dir, json),
+        Command::Verify {
+            which: VerifyWhich::Attention(args),
+        } => verify::attention(&args),
         Command::Bench {
             which: BenchWhich::Codecs(args),
         } => bench::codecs(&args),
         Command::Bench {
             which: BenchWhich::Footprint(args),
         } => bench::footprint(&args),
+        Command::Bench {
+            which: BenchWhich::Tiers(args),
+        } => bench_tiers::run(&args),
+        Command::Store { op } => store::run(&op),
     }
 }
 

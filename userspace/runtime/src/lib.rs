@@ -8,8 +8,17 @@
 //!   the per-sequence constant, per-layer rows and the four levers, derived from the config and
 //!   the storage formats.
 //!
+//! - [`cache`]: the paged KV cache with its prefix index (`docs/paged-cache.md`).
+//! - [`tiers`]: tiered persistence: the SSD store of global KV, the DRAM window pool and the
+//!   prefix units (`docs/tiers.md`, `docs/ssd-format.md`).
+//!
+//! - [`attention`]: the CSA2 attention layer, prefill and decode, every layer mode
+//!   (`docs/attention.md`); [`weights`]: tensors from safetensors files; [`verify`]: `verify
+//!   attention` against a reference dump.
+//!
 //! The formulas, entry layouts and numbers are written out in `docs/cache-arithmetic.md`.
 
+pub mod attention;
 pub mod builtin;
 pub mod cache;
 pub mod calc;
@@ -17,6 +26,9 @@ pub mod config;
 mod error;
 mod frac;
 pub mod plan;
+pub mod tiers;
+pub mod verify;
+pub mod weights;
 
 pub use calc::{
     CacheReport, Comparison, FormatOverrides, GlobalFormat, IndexFormat, Levers, StorageFormats,

@@ -1,0 +1,204 @@
+//! Sparse attention of one query token (spec §4 core attention): the keys are the FP8 window
+//! rows and the FP4 compressed entries the top-k selected (duplicates kept; `-1` slots are the
+//! caller's to skip), each both key and value (`V = K`, MQA with one shared latent head).
+//!
+//! `logit = (q_h · k) · scale` with `scale = head_dim^-1/2`; one sink logit per head adds
+//! `exp(sink_h)` to the denominator only; the result per head is `Σ_i p_i k_i`.
+//!
+//! - [`sparse_attention_ref`]: dequantizes every key into an f32 matrix, computes every logit,
+//!   a two-pass softmax ([`super::softmax::softmax_with_sink_ref`]) and `P · K`, as the
+//!   reference's eager path does (without its masked columns, which contribute exact zeros).
+//! - [`SparseAttention`]: decodes each key row once into a scratch row (SIMD at 512 wide) and
+//!   uses it for every head's dot and, through [`super::softmax::OnlineSoftmax`], for the
+//!   weighted sum of values, so nothing is materialized beyond one row. Its results differ
+//!   from the reference by rounding only (summation order of the dots and of `P · V`).
+
+use kvstack_firmware_interface::EntryFormat;
+
+use super::quant::RowCodec;
+use super::softmax::{OnlineSoftmax, softmax_with_sink_ref};
+use super::{Error, check_len};
+
+/// One attended key: a quantized row of the window (FP8) or of the compressed cache (FP4).
+#[derive(Clone, Copy, Debug)]
+pub enum KeyRow<'a> {
+    /// An FP8 window row.
+    Window(&'a [u8]),
+    /// An FP4 compressed entry.
+    Compressed(&'a [u8]),
+}
+
+/// Shapes and codecs of the attention of one layer.
+#[derive(Clone, Copy, Debug)]
+pub struct AttentionShape {
+    /// Query heads.
+    pub heads: usize,
+    /// Width of a head and of the shared key/value row.
+    pub head_dim: usize,
+    /// Logit scale (`head_dim^-1/2`).
+    pub scale: f32,
+    window: RowCodec,
+    compressed: RowCodec,
+}
+
+impl AttentionShape {
+    /// The shape for `heads` heads of `head_dim` (FP8 window rows and FP4 entries of that
+    /// width), scale `head_dim^-1/2`.
+    pub fn new(heads: usize, head_dim: usize) -> Result<AttentionShape, Error> {
+        if heads == 0 {
+            return Err(Error::Param {
+                what: "attention heads",
+                reason: "must be at least 1".into(),
+            });
+        }
+        Ok(AttentionShape {
+            heads,
+            head_dim,
+            scale: (head_dim as f64).powf(-0.5) as f32,
+            window: RowCodec::new(EntryFormat::WindowFp8, head_dim)?,
+            compressed: RowCodec::new(EntryFormat::GlobalFp4, head_dim)?,
+        })
+    }
+
+    /// The window row codec.
+    pub fn window_codec(&self) -> RowCodec {
+        self.window
+    }
+
+    /// The compressed entry codec.
+    pub fn compressed_codec(&self) -> RowCodec {
+        self.compressed
+    }
+
+    fn decode(&self, key: KeyRow<'_>, out: &mut [f32], reference: bool) -> Result<(), Error> {
+        let (codec, bytes) = match key {
+            KeyRow::Window(b) => (self.window, b),
+            KeyRow::Compressed(b) => (self.compressed, b),
+        };
+        if reference {
+            codec.dequantize_ref(bytes, out)
+        } else {
+            codec.dequantize(bytes, out)
+        }
+    }
+
+    fn check(&self, q: &[f32], sinks: &[f32], out: &[f32]) -> Result<(), Error> {
+        check_len(
+            "attention query [heads, head_dim]",
+            self.heads * self.head_dim,
+            q.len(),
+        )?;
+        check_len("attention sinks [heads]", self.heads, sinks.len())?;
+        check_len(
+            "attention output [heads, head_dim]",
+            self.heads * self.head_dim,
+            out.len(),
+        )
+    }
+}
+
+/// Reference attention of one query token over `keys`.
+pub fn sparse_attention_ref(
+    shape: &AttentionShape,
+    q: &[f32],
+    sinks: &[f32],
+    keys: &[KeyRow<'_>],
+    out: &mut [f32],
+) -> Result<(), Error> {
+    shape.check(q, sinks, out)?;
+    let d = shape.head_dim;
+    let mut kmat = vec![0f32; keys.len() * d];
+    for (&key, row) in keys.iter().zip(kmat.chunks_exact_mut(d.max(1))) {
+        shape.decode(key, row, true)?;
+    }
+    let mut logits = vec![0f32; keys.len()];
+    let mut p = vec![0f32; keys.len()];
+    for ((qh, &sink), oh) in q.chunks_exact(d).zip(sinks).zip(out.chunks_exact_mut(d)) {
+        for (l, k) in logits.iter_mut().zip(kmat.chunks_exact(d)) {
+            let mut dot = 0f32;
+            for (a, b) in qh.iter().zip(k) {
+                dot += a * b;
+            }
+            *l = dot * shape.scale;
+        }
+        softmax_with_sink_ref(&logits, sink, &mut p)?;
+        oh.fill(0.0);
+        for (&pi, k) in p.iter().zip(kmat.chunks_exact(d)) {
+            for (o, &v) in oh.iter_mut().zip(k) {
+                *o += pi * v;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Fast attention with reusable buffers (one per thread).
+#[derive(Clone, Debug)]
+pub struct SparseAttention {
+    shape: AttentionShape,
+    row: Vec<f32>,
+    heads: Vec<OnlineSoftmax>,
+}
+
+impl SparseAttention {
+    /// Buffers for `shape`.
+    pub fn new(shape: AttentionShape) -> SparseAttention {
+        SparseAttention {
+            shape,
+            row: vec![0.0; shape.head_dim],
+            heads: (0..shape.heads)
+                .map(|_| OnlineSoftmax::new(shape.head_dim, 0.0))
+                .collect(),
+        }
+    }
+
+    /// The shape.
+    pub fn shape(&self) -> &AttentionShape {
+        &self.shape
+    }
+
+    /// Attention of one query token (`q`: `[heads, head_dim]`) over `keys`, into `out`
+    /// (`[heads, head_dim]`).
+    pub fn run<'k>(
+        &mut self,
+        q: &[f32],
+        sinks: &[f32],
+        keys: impl IntoIterator<Item = KeyRow<'k>>,
+        out: &mut [f32],
+    ) -> Result<(), Error> {
+        let shape = self.shape;
+        shape.check(q, sinks, out)?;
+        let d = shape.head_dim;
+        for (h, &s) in self.heads.iter_mut().zip(sinks) {
+            h.reset(s);
+        }
+        for key in keys {
+            shape.decode(key, &mut self.row, false)?;
+            for (qh, acc) in q.chunks_exact(d).zip(self.heads.iter_mut()) {
+                acc.push(dot8(qh, &self.row) * shape.scale, &self.row);
+            }
+        }
+        for (acc, oh) in self.heads.iter().zip(out.chunks_exact_mut(d)) {
+            acc.finish(oh)?;
+        }
+        Ok(())
+    }
+}
+
+/// f32 dot with eight partial sums (vectorizable).
+#[inline]
+fn dot8(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ac, ar) = a.as_chunks::<8>();
+    let (bc, br) = b.as_chunks::<8>();
+    for (x, y) in ac.iter().zip(bc) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    let mut tail = 0f32;
+    for (x, y) in ar.iter().zip(br) {
+        tail += x * y;
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+}

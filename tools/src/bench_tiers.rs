@@ -1,0 +1,64 @@
+//! `kvstack bench tiers`.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use clap::Args;
+use kvstack_runtime::tiers::{TiersBenchOptions, run_tiers_bench};
+
+use crate::error::CliError;
+
+/// Arguments of `kvstack bench tiers`.
+#[derive(Args)]
+pub struct TiersArgs {
+    /// Data directory on the SSD to measure (the bench works in a subdirectory it removes).
+    #[arg(long, value_name = "D", default_value = "kvstack-data")]
+    dir: PathBuf,
+    /// Units of 131,072 tokens written and read (about 120 MB each).
+    #[arg(long, value_name = "N", default_value_t = 4)]
+    units: usize,
+    /// Tokens per unit and of the restored prefix (a multiple of 256).
+    #[arg(long, value_name = "N", default_value_t = 131_072)]
+    unit_tokens: u64,
+    /// Window snapshots cycled through the DRAM pool.
+    #[arg(long, value_name = "N", default_value_t = 48)]
+    snapshots: usize,
+    /// Queue depth of the store (and of fio).
+    #[arg(long, value_name = "N", default_value_t = 16)]
+    queue_depth: usize,
+    /// Skip fio even when it is installed.
+    #[arg(long)]
+    no_fio: bool,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Runs `kvstack bench tiers`. Exits non-zero when a measured ratio misses its target.
+pub fn run(args: &TiersArgs) -> Result<(), CliError> {
+    let mut opts = TiersBenchOptions::new(args.dir.clone());
+    opts.write_units = args.units.max(1);
+    opts.unit_tokens = args.unit_tokens.max(256);
+    opts.pool_snapshots = args.snapshots.max(2);
+    opts.queue_depth = args.queue_depth.max(1);
+    opts.fio = !args.no_fio;
+    let quiet = args.json;
+    let report = run_tiers_bench(&opts, |stage| {
+        if !quiet {
+            eprintln!("  {stage} ...");
+        }
+    })
+    .map_err(CliError::Store)?;
+    let mut out = std::io::stdout().lock();
+    if args.json {
+        let text = serde_json::to_string_pretty(&report).map_err(CliError::Json)?;
+        writeln!(out, "{text}").map_err(CliError::Stdout)?;
+    } else {
+        write!(out, "{report}").map_err(CliError::Stdout)?;
+    }
+    if report.meets_targets() {
+        Ok(())
+    } else {
+        Err(CliError::TargetsMissed(report.failures.join("; ")))
+    }
+}

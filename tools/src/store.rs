@@ -1,0 +1,247 @@
+//! `kvstack store stats|fsck|inspect`: look at an SSD store without writing to it.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use clap::{Args, Subcommand};
+use kvstack_runtime::tiers::fsck::{fsck, inspect};
+use kvstack_runtime::tiers::{SsdStore, StoreLocation, StoreOptions, SystemClock};
+
+use crate::error::CliError;
+
+/// Where the store is.
+#[derive(Args)]
+pub struct StoreArgs {
+    /// Directory of segment files.
+    #[arg(
+        long,
+        value_name = "D",
+        required_unless_present = "device",
+        conflicts_with = "device"
+    )]
+    dir: Option<PathBuf>,
+    /// A preallocated file or raw block device holding the store.
+    #[arg(long, value_name = "PATH")]
+    device: Option<PathBuf>,
+    /// Segment size in MiB the store was created with (needed for devices).
+    #[arg(long, value_name = "MIB", default_value_t = 64)]
+    segment_mib: u64,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+/// `kvstack store ...`.
+#[derive(Subcommand)]
+pub enum StoreOp {
+    /// Open the store read-only (rebuilding its index) and print its counters, sizes and what
+    /// recovery found.
+    Stats(StoreArgs),
+    /// Verify every record (headers, checksums, unit chains) and report damage with its
+    /// location. Exit code 1 when damage is found.
+    Fsck(StoreArgs),
+    /// List segments (and with --records every valid record).
+    Inspect {
+        #[command(flatten)]
+        args: StoreArgs,
+        /// List every record too.
+        #[arg(long)]
+        records: bool,
+    },
+}
+
+fn options(a: &StoreArgs) -> StoreOptions {
+    let location = match (&a.dir, &a.device) {
+        (_, Some(d)) => StoreLocation::Device(d.clone()),
+        (Some(d), None) => StoreLocation::Directory(d.clone()),
+        (None, None) => StoreLocation::Directory(PathBuf::from("kvstack-data")),
+    };
+    let mut o = StoreOptions::new(location);
+    o.segment_bytes = a.segment_mib.max(1) << 20;
+    o.read_only = true;
+    o
+}
+
+fn print_json(v: &impl serde::Serialize) -> Result<(), CliError> {
+    let text = serde_json::to_string_pretty(v).map_err(CliError::Json)?;
+    writeln!(std::io::stdout().lock(), "{text}").map_err(CliError::Stdout)
+}
+
+/// Runs `kvstack store ...`.
+pub fn run(op: &StoreOp) -> Result<(), CliError> {
+    match op {
+        StoreOp::Stats(a) => stats(a),
+        StoreOp::Fsck(a) => check(a),
+        StoreOp::Inspect { args, records } => list(args, *records),
+    }
+}
+
+fn stats(a: &StoreArgs) -> Result<(), CliError> {
+    let store = SsdStore::open(options(a), Arc::new(SystemClock)).map_err(CliError::Store)?;
+    let s = store.stats();
+    if a.json {
+        return print_json(&s);
+    }
+    let r = &s.recovery;
+    let mut out = std::io::stdout().lock();
+    let w = |out: &mut std::io::StdoutLock<'_>| -> std::io::Result<()> {
+        writeln!(out, "store        {}", s.location.path().display())?;
+        writeln!(
+            out,
+            "engine       {} (direct I/O {})",
+            s.engine.kind.name(),
+            s.engine.direct
+        )?;
+        writeln!(
+            out,
+            "segments     {} of {} ({} bytes each)",
+            s.segments, s.segment_slots, s.segment_bytes
+        )?;
+        writeln!(out, "units        {}", s.units)?;
+        writeln!(out, "blocks       {}", s.blocks)?;
+        writeln!(
+            out,
+            "bytes        {} live of {} written",
+            s.live_bytes, s.written_bytes
+        )?;
+        writeln!(
+            out,
+            "recovery     {:.3} s: {} records, {} bytes read, {} torn tails discarded, {} units \
+             discarded",
+            r.seconds, r.records, r.bytes_read, r.torn_tail_ranges, r.units_discarded
+        )?;
+        for d in &r.damaged {
+            writeln!(
+                out,
+                "damaged      {} offset {} ({} bytes): {}",
+                d.path.display(),
+                d.offset,
+                d.bytes,
+                d.reason
+            )?;
+        }
+        for x in &r.invalid_segments {
+            writeln!(out, "invalid      {x}")?;
+        }
+        Ok(())
+    };
+    w(&mut out).map_err(CliError::Stdout)
+}
+
+fn check(a: &StoreArgs) -> Result<(), CliError> {
+    let r = fsck(&options(a)).map_err(CliError::Store)?;
+    if a.json {
+        print_json(&r)?;
+    } else {
+        let mut out = std::io::stdout().lock();
+        let w = |out: &mut std::io::StdoutLock<'_>| -> std::io::Result<()> {
+            writeln!(
+                out,
+                "{} segments, {} records ({} blocks, {} commits), {} complete units, {} bytes \
+                 read in {:.3} s",
+                r.segments,
+                r.records,
+                r.blocks,
+                r.commits,
+                r.units_complete,
+                r.bytes_read,
+                r.seconds
+            )?;
+            for d in &r.damaged {
+                writeln!(
+                    out,
+                    "DAMAGED {} offset {} ({} bytes){}{}: {}",
+                    d.path.display(),
+                    d.offset,
+                    d.bytes,
+                    d.kind.map(|k| format!(" {k}")).unwrap_or_default(),
+                    d.key
+                        .as_ref()
+                        .map(|k| format!(" key {k}"))
+                        .unwrap_or_default(),
+                    d.reason
+                )?;
+            }
+            for x in &r.invalid_segments {
+                writeln!(out, "INVALID SEGMENT {x}")?;
+            }
+            for d in &r.torn {
+                writeln!(
+                    out,
+                    "torn tail (a write cut short, discarded) {} offset {} ({} bytes): {}",
+                    d.path.display(),
+                    d.offset,
+                    d.bytes,
+                    d.reason
+                )?;
+            }
+            for u in &r.units_incomplete {
+                writeln!(out, "incomplete (not visible) {u}")?;
+            }
+            writeln!(out, "{}", if r.clean() { "clean" } else { "DAMAGED" })
+        };
+        w(&mut out).map_err(CliError::Stdout)?;
+    }
+    if r.clean() {
+        Ok(())
+    } else {
+        Err(CliError::Damaged(
+            r.damaged.len() + r.invalid_segments.len(),
+        ))
+    }
+}
+
+fn list(a: &StoreArgs, records: bool) -> Result<(), CliError> {
+    let r = inspect(&options(a), records).map_err(CliError::Store)?;
+    if a.json {
+        return print_json(&r);
+    }
+    let mut out = std::io::stdout().lock();
+    let w = |out: &mut std::io::StdoutLock<'_>| -> std::io::Result<()> {
+        writeln!(
+            out,
+            "{:<6} {:<8} {:>8} {:>12} {:>7}  path",
+            "slot", "segment", "records", "written", "damaged"
+        )?;
+        for s in &r.segments {
+            writeln!(
+                out,
+                "{:<6} {:<8} {:>8} {:>12} {:>7}  {}{}",
+                s.slot,
+                s.id.map_or_else(|| "-".to_owned(), |i| i.to_string()),
+                s.records,
+                s.written_bytes,
+                s.damaged_ranges,
+                s.path,
+                s.header_error
+                    .as_ref()
+                    .map(|e| format!(" ({e})"))
+                    .unwrap_or_default()
+            )?;
+        }
+        if records {
+            writeln!(
+                out,
+                "{:<8} {:>10} {:<6} {:>8} {:<16} {:>6} {:>6} {:>8}",
+                "segment", "offset", "kind", "seq", "key", "tokens", "count", "payload"
+            )?;
+            for x in &r.records {
+                writeln!(
+                    out,
+                    "{:<8} {:>10} {:<6} {:>8} {:<16} {:>6} {:>6} {:>8}",
+                    x.segment,
+                    x.offset,
+                    x.kind,
+                    x.seq,
+                    &x.key[..16.min(x.key.len())],
+                    x.tokens,
+                    x.count,
+                    x.payload_len
+                )?;
+            }
+        }
+        Ok(())
+    };
+    w(&mut out).map_err(CliError::Stdout)
+}

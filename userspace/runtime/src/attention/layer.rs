@@ -1,0 +1,867 @@
+//! The CSA2 attention layer (spec §4) for every mode, in prefill (many tokens) and decode
+//! (one token) shapes: both are [`Csa2Attention::forward`] over a step of `n` tokens.
+//!
+//! Per layer and step (positions `p0 .. p0 + n`, `p0 = store.len()`):
+//! 1. query: `q_latent = q_norm(x wq_aᵀ)`, `q = RoPE(q_latent wq_bᵀ)` per head (never
+//!    quantized);
+//! 2. window KV: `FP8(RoPE(kv_norm(x wkvᵀ)))`, the layer's own;
+//! 3. Full (KV source): the compressor over the pending and new tokens (completed groups
+//!    only), `latent = norm(pooled)`, entries `FP4(RoPE_{j·r}(latent))`, index keys
+//!    `MXFP4(RoPE_{j·r}(k_norm(latent wkᵀ)))` from the unrotated, unquantized latent; pushed
+//!    to the store before any layer attends them;
+//! 4. index sources (Full, Reindex): index queries `MXFP4(RoPE(q_latent wq_bᵢᵀ))`, head
+//!    weights, scores over the visible entries of the KV source (`j < (t + 1) / r`), the
+//!    candidate pool (candidate source) or the candidate mask (Reindex with
+//!    `uses_candidates`), top-k; Reuse layers take the step's top-k;
+//! 5. sparse attention over the window `[t - window + 1, t]` and the top-k entries, sink,
+//!    `P · V` with `V = K`; inverse RoPE on the last rope dims; grouped `wo_a`, then `wo_b`.
+//!
+//! Every stage is also a public method taking that stage's inputs, which is how
+//! `verify attention` feeds each stage the reference's own inputs.
+
+use kvstack_firmware_interface::EntryFormat;
+use kvstack_kernels::csa2::attention::{AttentionShape, KeyRow, SparseAttention};
+use kvstack_kernels::csa2::candidates::{candidate_pool, mask_to_candidates};
+use kvstack_kernels::csa2::compress::CompressorState;
+use kvstack_kernels::csa2::gemm::linear;
+use kvstack_kernels::csa2::indexer::{IndexQuery, scale_head_weights};
+use kvstack_kernels::csa2::norm::rms_norm_in_place;
+use kvstack_kernels::csa2::output::{OutputShape, grouped_output};
+use kvstack_kernels::csa2::quant::RowCodec;
+use kvstack_kernels::csa2::rope::Rope;
+use kvstack_kernels::csa2::topk::topk;
+
+use crate::config::ModelConfig;
+use crate::plan::{LayerMode, LayerPlan, LayerSpec};
+use crate::weights::TensorFile;
+
+use super::dims::AttentionDims;
+use super::error::{Error, kernel};
+use super::params::{AttentionWeights, LayerWeights};
+use super::step::{Candidates, StepState, TopK};
+use super::store::{ContiguousStore, KvStore};
+
+/// What the compressor of a KV source produced in one step.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Compressed {
+    /// Compressed position of the first new entry.
+    pub first: u64,
+    /// `[g, head_dim]`: pooled and RMS-normalized, before RoPE (`compressor.latent`).
+    pub latent: Vec<f32>,
+    /// `[g, head_dim]`: after RoPE, before FP4 (`compressed_kv.pre_quant`).
+    pub pre_quant: Vec<f32>,
+    /// `g` FP4 rows.
+    pub rows: Vec<u8>,
+    /// `[g, index_head_dim]`: index keys before MXFP4 (`index_keys.pre_quant`).
+    pub key_pre_quant: Vec<f32>,
+    /// `g` MXFP4 key rows.
+    pub key_rows: Vec<u8>,
+    /// The compressor's pending projections after the step.
+    pub pending: Vec<f32>,
+}
+
+/// Everything one layer computed in one step (for verification and debugging).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LayerTrace {
+    /// Token positions of the step.
+    pub positions: Vec<u64>,
+    /// `[n, q_lora_rank]`.
+    pub query_latent: Vec<f32>,
+    /// `[n, heads · head_dim]`, after RoPE.
+    pub query: Vec<f32>,
+    /// `[n, head_dim]`: window KV before FP8.
+    pub window_pre_quant: Vec<f32>,
+    /// `n` FP8 rows.
+    pub window_rows: Vec<u8>,
+    /// KV sources: the new compressed entries.
+    pub compressed: Option<Compressed>,
+    /// Index sources: `[n, index_heads · index_head_dim]` before MXFP4.
+    pub index_queries_pre_quant: Vec<f32>,
+    /// Index sources: `n · index_heads` MXFP4 rows.
+    pub index_query_rows: Vec<u8>,
+    /// Index sources: `[n, index_heads]`, scaled.
+    pub index_weights: Vec<f32>,
+    /// Index sources: scores `[n, score_width]`, `-inf` where not visible.
+    pub index_scores: Vec<f32>,
+    /// Width of the score rows (compressed entries of the KV source at scoring time).
+    pub score_width: usize,
+    /// Visible entries per token.
+    pub visible: Vec<u64>,
+    /// Candidate source: block scores `[n, blocks]` (`+inf` on the forced block).
+    pub candidate_block_scores: Vec<f32>,
+    /// Reindex layers using candidates: scores after the mask.
+    pub scores_after_candidates: Option<Vec<f32>>,
+    /// Layers with compression: the top-k used, `[n, index_topk]` canonical.
+    pub topk: Vec<i32>,
+    /// `[n, heads · head_dim]`: attention result before the inverse RoPE.
+    pub attended: Vec<f32>,
+    /// `[n, hidden]`.
+    pub output: Vec<f32>,
+}
+
+/// The CSA2 attention of a whole model: dimensions, plan, weights and per-layer rotations.
+#[derive(Clone, Debug)]
+pub struct Csa2Attention {
+    dims: AttentionDims,
+    plan: LayerPlan,
+    weights: AttentionWeights,
+    ropes: Vec<Rope>,
+    shape: AttentionShape,
+    window_codec: RowCodec,
+    entry_codec: RowCodec,
+    key_codec: Option<RowCodec>,
+    output_shape: OutputShape,
+}
+
+fn check_input(
+    layer: usize,
+    what: &'static str,
+    expected: usize,
+    actual: usize,
+) -> Result<(), Error> {
+    if expected == actual {
+        Ok(())
+    } else {
+        Err(Error::Input {
+            layer,
+            what,
+            expected,
+            actual,
+        })
+    }
+}
+
+impl Csa2Attention {
+    /// Assembles the layer from checked parts.
+    pub fn new(
+        dims: AttentionDims,
+        plan: LayerPlan,
+        weights: AttentionWeights,
+    ) -> Result<Csa2Attention, Error> {
+        if weights.layers.len() != plan.layers.len() {
+            return Err(Error::State {
+                layer: weights.layers.len(),
+                reason: format!(
+                    "weights for {} layers, plan of {}",
+                    weights.layers.len(),
+                    plan.layers.len()
+                ),
+            });
+        }
+        let ropes = plan
+            .layers
+            .iter()
+            .map(|s| dims.rope(s).map_err(kernel(s.index, "rope")))
+            .collect::<Result<Vec<_>, _>>()?;
+        let shape =
+            AttentionShape::new(dims.heads, dims.head_dim).map_err(kernel(0, "attention shape"))?;
+        let key_codec = if dims.index_head_dim > 0 {
+            Some(
+                RowCodec::new(EntryFormat::IndexMxfp4, dims.index_head_dim)
+                    .map_err(kernel(0, "index key rows"))?,
+            )
+        } else {
+            None
+        };
+        Ok(Csa2Attention {
+            output_shape: OutputShape {
+                heads: dims.heads,
+                head_dim: dims.head_dim,
+                groups: dims.o_groups,
+                rank: dims.o_lora_rank,
+                hidden: dims.hidden,
+            },
+            window_codec: shape.window_codec(),
+            entry_codec: shape.compressed_codec(),
+            key_codec,
+            shape,
+            dims,
+            plan,
+            weights,
+            ropes,
+        })
+    }
+
+    /// Loads config, plan and weights from files.
+    pub fn from_files(
+        config: &std::path::Path,
+        weights: &std::path::Path,
+    ) -> Result<Csa2Attention, Error> {
+        let cfg = ModelConfig::from_file(config)?;
+        let plan = LayerPlan::from_config(&cfg)?;
+        let dims = AttentionDims::from_config(&cfg, &plan)?;
+        let file = TensorFile::open(weights)?;
+        let w = AttentionWeights::load(&file, &dims, &plan)?;
+        Csa2Attention::new(dims, plan, w)
+    }
+
+    /// The dimensions.
+    pub fn dims(&self) -> &AttentionDims {
+        &self.dims
+    }
+
+    /// The layer plan.
+    pub fn plan(&self) -> &LayerPlan {
+        &self.plan
+    }
+
+    /// The weights.
+    pub fn weights(&self) -> &AttentionWeights {
+        &self.weights
+    }
+
+    /// The rotation of `layer`.
+    pub fn rope(&self, layer: usize) -> Option<&Rope> {
+        self.ropes.get(layer)
+    }
+
+    /// FP8 window rows at `head_dim`.
+    pub fn window_codec(&self) -> RowCodec {
+        self.window_codec
+    }
+
+    /// FP4 entries at `head_dim`.
+    pub fn entry_codec(&self) -> RowCodec {
+        self.entry_codec
+    }
+
+    /// MXFP4 index keys at `index_head_dim` (when the model has an indexer).
+    pub fn key_codec(&self) -> Option<RowCodec> {
+        self.key_codec
+    }
+
+    /// An empty in-memory store for this model, keeping `keep_window` window rows per layer
+    /// (all with `None`).
+    pub fn new_store(&self, keep_window: Option<usize>) -> ContiguousStore {
+        ContiguousStore::new(
+            self.plan.layers.len(),
+            self.window_codec.bytes(),
+            self.entry_codec.bytes(),
+            self.key_codec.map_or(0, |c| c.bytes()),
+            keep_window,
+        )
+    }
+
+    fn spec(&self, layer: usize) -> Result<(&LayerSpec, &LayerWeights, &Rope), Error> {
+        match (
+            self.plan.layers.get(layer),
+            self.weights.layers.get(layer),
+            self.ropes.get(layer),
+        ) {
+            (Some(s), Some(w), Some(r)) => Ok((s, w, r)),
+            _ => Err(Error::State {
+                layer,
+                reason: format!("the model has {} layers", self.plan.layers.len()),
+            }),
+        }
+    }
+
+    fn tokens(
+        &self,
+        layer: usize,
+        what: &'static str,
+        x: &[f32],
+        width: usize,
+    ) -> Result<usize, Error> {
+        if width == 0 || !x.len().is_multiple_of(width) {
+            return Err(Error::Input {
+                layer,
+                what,
+                expected: x.len().div_ceil(width.max(1)) * width,
+                actual: x.len(),
+            });
+        }
+        Ok(x.len() / width)
+    }
+
+    /// `q_norm(x wq_aᵀ)`: `x` is `[n, hidden]`.
+    pub fn query_latent(&self, layer: usize, x: &[f32]) -> Result<Vec<f32>, Error> {
+        let (_, w, _) = self.spec(layer)?;
+        let d = &self.dims;
+        let n = self.tokens(layer, "attention input [n, hidden]", x, d.hidden)?;
+        let mut ql = vec![0f32; n * d.q_lora_rank];
+        linear(x, &w.wq_a, n, d.hidden, d.q_lora_rank, &mut ql).map_err(kernel(layer, "wq_a"))?;
+        rms_norm_in_place(&mut ql, &w.q_norm, d.eps).map_err(kernel(layer, "q_norm"))?;
+        Ok(ql)
+    }
+
+    /// `RoPE(q_latent wq_bᵀ)` per head at `positions`.
+    pub fn query(
+        &self,
+        layer: usize,
+        q_latent: &[f32],
+        positions: &[u64],
+    ) -> Result<Vec<f32>, Error> {
+        let (_, w, rope) = self.spec(layer)?;
+        let d = &self.dims;
+        let n = positions.len();
+        check_input(
+            layer,
+            "query latent [n, q_lora_rank]",
+            n * d.q_lora_rank,
+            q_latent.len(),
+        )?;
+        let mut q = vec![0f32; n * d.q_width()];
+        linear(q_latent, &w.wq_b, n, d.q_lora_rank, d.q_width(), &mut q)
+            .map_err(kernel(layer, "wq_b"))?;
+        rope.rotate_rows(&mut q, d.q_width(), d.head_dim, positions, false)
+            .map_err(kernel(layer, "query rope"))?;
+        Ok(q)
+    }
+
+    /// Window KV `RoPE(kv_norm(x wkvᵀ))` at `positions` and its FP8 rows.
+    pub fn window_kv(
+        &self,
+        layer: usize,
+        x: &[f32],
+        positions: &[u64],
+    ) -> Result<(Vec<f32>, Vec<u8>), Error> {
+        let (_, w, rope) = self.spec(layer)?;
+        let d = &self.dims;
+        let n = positions.len();
+        check_input(layer, "attention input [n, hidden]", n * d.hidden, x.len())?;
+        let mut kv = vec![0f32; n * d.head_dim];
+        linear(x, &w.wkv, n, d.hidden, d.head_dim, &mut kv).map_err(kernel(layer, "wkv"))?;
+        rms_norm_in_place(&mut kv, &w.kv_norm, d.eps).map_err(kernel(layer, "kv_norm"))?;
+        rope.rotate_rows(&mut kv, d.head_dim, d.head_dim, positions, false)
+            .map_err(kernel(layer, "window rope"))?;
+        let rows = self.quantize(layer, self.window_codec, &kv)?;
+        Ok((kv, rows))
+    }
+
+    fn quantize(&self, layer: usize, codec: RowCodec, x: &[f32]) -> Result<Vec<u8>, Error> {
+        let mut out = vec![0u8; x.len() / codec.dim() * codec.bytes()];
+        codec
+            .quantize(x, &mut out)
+            .map_err(kernel(layer, "quantize"))?;
+        Ok(out)
+    }
+
+    fn group_positions(spec: &LayerSpec, first: u64, count: usize) -> Vec<u64> {
+        let r = u64::from(spec.compress_ratio);
+        (0..count as u64).map(|i| (first + i) * r).collect()
+    }
+
+    /// The compressor of KV source `layer` over `x` (`[n, hidden]`), resuming from `pending`;
+    /// the first completed group gets compressed position `first`.
+    pub fn compress(
+        &self,
+        layer: usize,
+        x: &[f32],
+        pending: &[f32],
+        first: u64,
+    ) -> Result<Compressed, Error> {
+        let (spec, w, _) = self.spec(layer)?;
+        let d = &self.dims;
+        let Some(cw) = &w.compressor else {
+            return Err(Error::State {
+                layer,
+                reason: format!("layer is {} and has no compressor", spec.mode),
+            });
+        };
+        let n = self.tokens(layer, "attention input [n, hidden]", x, d.hidden)?;
+        let ratio = spec.compress_ratio as usize;
+        let mut kv = vec![0f32; n * d.head_dim];
+        linear(x, &cw.wkv, n, d.hidden, d.head_dim, &mut kv)
+            .map_err(kernel(layer, "compressor.wkv"))?;
+        let gate = match &cw.wgate {
+            Some(wg) => {
+                let mut g = vec![0f32; n * d.head_dim];
+                linear(x, wg, n, d.hidden, d.head_dim, &mut g)
+                    .map_err(kernel(layer, "compressor.wgate"))?;
+                Some(g)
+            }
+            None => None,
+        };
+        let mut state = CompressorState::with_pending(ratio, d.head_dim, pending)
+            .map_err(kernel(layer, "compressor state"))?;
+        let mut latent = Vec::new();
+        state
+            .push(&kv, gate.as_deref(), &mut latent)
+            .map_err(kernel(layer, "compressor"))?;
+        rms_norm_in_place(&mut latent, &cw.norm, d.eps)
+            .map_err(kernel(layer, "compressor.norm"))?;
+        let (pre_quant, rows) = self.compressed_entries(layer, &latent, first)?;
+        let (key_pre_quant, key_rows) = self.index_keys(layer, &latent, first)?;
+        Ok(Compressed {
+            first,
+            latent,
+            pre_quant,
+            rows,
+            key_pre_quant,
+            key_rows,
+            pending: state.pending().to_vec(),
+        })
+    }
+
+    /// Entries from normalized latents (`[g, head_dim]`, positions `first ..`): RoPE at each
+    /// group's first token, then FP4.
+    pub fn compressed_entries(
+        &self,
+        layer: usize,
+        latent: &[f32],
+        first: u64,
+    ) -> Result<(Vec<f32>, Vec<u8>), Error> {
+        let (spec, _, rope) = self.spec(layer)?;
+        let d = &self.dims;
+        let g = self.tokens(layer, "compressor latent [g, head_dim]", latent, d.head_dim)?;
+        let mut pre = latent.to_vec();
+        rope.rotate_rows(
+            &mut pre,
+            d.head_dim,
+            d.head_dim,
+            &Self::group_positions(spec, first, g),
+            false,
+        )
+        .map_err(kernel(layer, "compressed rope"))?;
+        let rows = self.quantize(layer, self.entry_codec, &pre)?;
+        Ok((pre, rows))
+    }
+
+    /// Index keys from normalized, unrotated, unquantized latents: `k_norm(latent wkᵀ)`, RoPE
+    /// at each group's first token, MXFP4.
+    pub fn index_keys(
+        &self,
+        layer: usize,
+        latent: &[f32],
+        first: u64,
+    ) -> Result<(Vec<f32>, Vec<u8>), Error> {
+        let (spec, w, rope) = self.spec(layer)?;
+        let d = &self.dims;
+        let (Some(kw), Some(codec)) = (
+            w.indexer.as_ref().and_then(|i| i.keys.as_ref()),
+            self.key_codec,
+        ) else {
+            return Err(Error::State {
+                layer,
+                reason: "layer owns no index keys (no indexer.wk)".into(),
+            });
+        };
+        let g = self.tokens(layer, "compressor latent [g, head_dim]", latent, d.head_dim)?;
+        let mut k = vec![0f32; g * d.index_head_dim];
+        linear(latent, &kw.wk, g, d.head_dim, d.index_head_dim, &mut k)
+            .map_err(kernel(layer, "indexer.wk"))?;
+        rms_norm_in_place(&mut k, &kw.k_norm, d.eps).map_err(kernel(layer, "indexer.k_norm"))?;
+        rope.rotate_rows(
+            &mut k,
+            d.index_head_dim,
+            d.index_head_dim,
+            &Self::group_positions(spec, first, g),
+            false,
+        )
+        .map_err(kernel(layer, "index key rope"))?;
+        let rows = self.quantize(layer, codec, &k)?;
+        Ok((k, rows))
+    }
+
+    /// Index queries `RoPE(q_latent wq_bᵢᵀ)` per index head, and their MXFP4 rows.
+    pub fn index_queries(
+        &self,
+        layer: usize,
+        q_latent: &[f32],
+        positions: &[u64],
+    ) -> Result<(Vec<f32>, Vec<u8>), Error> {
+        let (_, w, rope) = self.spec(layer)?;
+        let d = &self.dims;
+        let (Some(iw), Some(codec)) = (&w.indexer, self.key_codec) else {
+            return Err(Error::State {
+                layer,
+                reason: "layer is not an index source".into(),
+            });
+        };
+        let n = positions.len();
+        check_input(
+            layer,
+            "query latent [n, q_lora_rank]",
+            n * d.q_lora_rank,
+            q_latent.len(),
+        )?;
+        let mut q = vec![0f32; n * d.index_q_width()];
+        linear(
+            q_latent,
+            &iw.wq_b,
+            n,
+            d.q_lora_rank,
+            d.index_q_width(),
+            &mut q,
+        )
+        .map_err(kernel(layer, "indexer.wq_b"))?;
+        rope.rotate_rows(
+            &mut q,
+            d.index_q_width(),
+            d.index_head_dim,
+            positions,
+            false,
+        )
+        .map_err(kernel(layer, "index query rope"))?;
+        let rows = self.quantize(layer, codec, &q)?;
+        Ok((q, rows))
+    }
+
+    /// Head weights `weights_proj(x) · index_head_dim^-1/2 · index_heads^-1/2`, `[n, index_heads]`.
+    pub fn index_weights(&self, layer: usize, x: &[f32]) -> Result<Vec<f32>, Error> {
+        let (_, w, _) = self.spec(layer)?;
+        let d = &self.dims;
+        let Some(iw) = &w.indexer else {
+            return Err(Error::State {
+                layer,
+                reason: "layer is not an index source".into(),
+            });
+        };
+        let n = self.tokens(layer, "attention input [n, hidden]", x, d.hidden)?;
+        let mut out = vec![0f32; n * d.index_heads];
+        linear(x, &iw.weights_proj, n, d.hidden, d.index_heads, &mut out)
+            .map_err(kernel(layer, "indexer.weights_proj"))?;
+        scale_head_weights(&mut out, d.index_head_dim, d.index_heads);
+        Ok(out)
+    }
+
+    /// Visible compressed entries for query position `t` of a layer with ratio `r`:
+    /// `(t + 1) / r` (spec §4: only completed groups).
+    pub fn visible(ratio: u32, t: u64) -> u64 {
+        if ratio == 0 {
+            0
+        } else {
+            (t + 1) / u64::from(ratio)
+        }
+    }
+
+    /// Index scores `[n, width]` of MXFP4 queries (`n · index_heads` rows) with head weights
+    /// (`[n, index_heads]`) over `width` keys from `key(j)`; `-inf` where `j` is not visible.
+    #[allow(clippy::too_many_arguments)]
+    pub fn index_scores<'k>(
+        &self,
+        layer: usize,
+        q_rows: &[u8],
+        weights: &[f32],
+        positions: &[u64],
+        width: usize,
+        key: &dyn Fn(u64) -> Option<&'k [u8]>,
+    ) -> Result<Vec<f32>, Error> {
+        let (spec, _, _) = self.spec(layer)?;
+        let d = &self.dims;
+        let Some(codec) = self.key_codec else {
+            return Err(Error::State {
+                layer,
+                reason: "the model has no indexer".into(),
+            });
+        };
+        let n = positions.len();
+        let qb = d.index_heads * codec.bytes();
+        check_input(layer, "index query rows (bytes)", n * qb, q_rows.len())?;
+        check_input(
+            layer,
+            "index weights [n, index_heads]",
+            n * d.index_heads,
+            weights.len(),
+        )?;
+        let mut scores = vec![f32::NEG_INFINITY; n * width];
+        for (i, &t) in positions.iter().enumerate() {
+            let q = IndexQuery::new(
+                codec.layout(),
+                &q_rows[i * qb..(i + 1) * qb],
+                &weights[i * d.index_heads..(i + 1) * d.index_heads],
+            )
+            .map_err(kernel(layer, "index query"))?;
+            let visible = (Self::visible(spec.compress_ratio, t) as usize).min(width);
+            for (j, s) in scores[i * width..i * width + visible]
+                .iter_mut()
+                .enumerate()
+            {
+                let k = key(j as u64).ok_or_else(|| Error::State {
+                    layer,
+                    reason: format!("index key {j} missing from the store"),
+                })?;
+                *s = q.score(k).map_err(kernel(layer, "index score"))?;
+            }
+        }
+        Ok(scores)
+    }
+
+    /// Top-k rows (`[n, index_topk]`, canonical) of score rows `[n, width]`.
+    pub fn select(&self, layer: usize, scores: &[f32], n: usize) -> Result<Vec<i32>, Error> {
+        let k = self.dims.index_topk;
+        let width = scores.len().checked_div(n).unwrap_or(0);
+        check_input(layer, "index scores [n, width]", n * width, scores.len())?;
+        let mut out = vec![-1i32; n * k];
+        for i in 0..n {
+            topk(
+                &scores[i * width..(i + 1) * width],
+                k,
+                &mut out[i * k..(i + 1) * k],
+            )
+            .map_err(kernel(layer, "top-k"))?;
+        }
+        Ok(out)
+    }
+
+    /// Candidate pools and block scores of score rows `[n, width]`.
+    pub fn candidate_pools(
+        &self,
+        layer: usize,
+        scores: &[f32],
+        positions: &[u64],
+    ) -> Result<(Vec<Vec<u32>>, Vec<f32>), Error> {
+        let (spec, _, _) = self.spec(layer)?;
+        let Some(params) = self.dims.candidates else {
+            return Err(Error::State {
+                layer,
+                reason: "the config has no candidate pool".into(),
+            });
+        };
+        let n = positions.len();
+        let width = scores.len().checked_div(n).unwrap_or(0);
+        let mut pools = Vec::with_capacity(n);
+        let mut all_bs = Vec::new();
+        let mut bs = Vec::new();
+        check_input(layer, "index scores [n, width]", n * width, scores.len())?;
+        for (i, &t) in positions.iter().enumerate() {
+            let row = &scores[i * width..(i + 1) * width];
+            let visible = (Self::visible(spec.compress_ratio, t) as usize).min(width);
+            let mut pool = Vec::new();
+            candidate_pool(row, visible, params, &mut bs, &mut pool)
+                .map_err(kernel(layer, "candidate pool"))?;
+            all_bs.extend_from_slice(&bs);
+            pools.push(pool);
+        }
+        Ok((pools, all_bs))
+    }
+
+    /// Sparse attention of every token: `q` `[n, heads · head_dim]` at `positions`; window
+    /// rows from `window(pos)`, compressed entries from `entry(j)` for the valid slots of the
+    /// token's `topk` row (none for window-only layers). Returns `attended` before the inverse
+    /// RoPE.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attend<'a>(
+        &self,
+        layer: usize,
+        q: &[f32],
+        positions: &[u64],
+        window: &dyn Fn(u64) -> Option<&'a [u8]>,
+        entry: &dyn Fn(u64) -> Option<&'a [u8]>,
+        topk: Option<&TopK>,
+    ) -> Result<Vec<f32>, Error> {
+        let (_, w, _) = self.spec(layer)?;
+        let d = &self.dims;
+        let n = positions.len();
+        check_input(
+            layer,
+            "query [n, heads * head_dim]",
+            n * d.q_width(),
+            q.len(),
+        )?;
+        let mut out = vec![0f32; n * d.q_width()];
+        let mut attn = SparseAttention::new(self.shape);
+        let mut keys: Vec<KeyRow<'a>> = Vec::new();
+        let win = d.window as u64;
+        for (i, &t) in positions.iter().enumerate() {
+            keys.clear();
+            for p in (t + 1).saturating_sub(win)..=t {
+                let row = window(p).ok_or_else(|| Error::State {
+                    layer,
+                    reason: format!("window row of position {p} (query {t}) is not available"),
+                })?;
+                keys.push(KeyRow::Window(row));
+            }
+            if let Some(tk) = topk {
+                let row = tk.row(i).ok_or_else(|| Error::State {
+                    layer,
+                    reason: format!("top-k of layer {} has no row for token {i}", tk.source),
+                })?;
+                for &j in row.iter().filter(|&&j| j >= 0) {
+                    let e = entry(j as u64).ok_or_else(|| Error::State {
+                        layer,
+                        reason: format!(
+                            "compressed entry {j} selected for query {t} is not in the store"
+                        ),
+                    })?;
+                    keys.push(KeyRow::Compressed(e));
+                }
+            }
+            attn.run(
+                &q[i * d.q_width()..(i + 1) * d.q_width()],
+                &w.sinks,
+                keys.iter().copied(),
+                &mut out[i * d.q_width()..(i + 1) * d.q_width()],
+            )
+            .map_err(kernel(layer, "sparse attention"))?;
+        }
+        Ok(out)
+    }
+
+    /// Inverse RoPE on `attended` (`[n, heads · head_dim]`) at `positions`, then the grouped
+    /// output projection; `[n, hidden]`.
+    pub fn output(
+        &self,
+        layer: usize,
+        attended: &[f32],
+        positions: &[u64],
+    ) -> Result<Vec<f32>, Error> {
+        let (_, w, rope) = self.spec(layer)?;
+        let d = &self.dims;
+        let n = positions.len();
+        check_input(
+            layer,
+            "attended [n, heads * head_dim]",
+            n * d.q_width(),
+            attended.len(),
+        )?;
+        let mut a = attended.to_vec();
+        rope.rotate_rows(&mut a, d.q_width(), d.head_dim, positions, true)
+            .map_err(kernel(layer, "inverse rope"))?;
+        let mut out = vec![0f32; n * d.hidden];
+        grouped_output(&self.output_shape, n, &a, &w.wo_a, &w.wo_b, &mut out)
+            .map_err(kernel(layer, "wo_a/wo_b"))?;
+        Ok(out)
+    }
+
+    /// One layer over one step: `x` is `[n, hidden]` for the `n = step.tokens()` tokens at
+    /// positions `store.len() ..`. Writes the layer's new rows to `store` (the caller commits
+    /// after the last layer), updates `step` as the plan says, and returns `[n, hidden]`.
+    /// With `trace`, every intermediate is recorded there.
+    pub fn forward(
+        &self,
+        layer: usize,
+        store: &mut dyn KvStore,
+        step: &mut StepState,
+        x: &[f32],
+        trace: Option<&mut LayerTrace>,
+    ) -> Result<Vec<f32>, Error> {
+        let (spec, _, _) = self.spec(layer)?;
+        let spec = *spec;
+        let d = &self.dims;
+        let n = step.tokens();
+        check_input(layer, "attention input [n, hidden]", n * d.hidden, x.len())?;
+        let p0 = store.len();
+        let positions: Vec<u64> = (p0..p0 + n as u64).collect();
+
+        let ql = self.query_latent(layer, x)?;
+        let q = self.query(layer, &ql, &positions)?;
+        let (wpre, wrows) = self.window_kv(layer, x, &positions)?;
+
+        let mut compressed = None;
+        if spec.mode == LayerMode::Full {
+            let first = store.compressed_len(layer);
+            let r = u64::from(spec.compress_ratio);
+            let pending_tokens = (store.pending(layer).len() / (2 * d.head_dim)) as u64;
+            if first * r + pending_tokens != p0 {
+                return Err(Error::State {
+                    layer,
+                    reason: format!(
+                        "compressor state ({first} entries + {pending_tokens} pending tokens at ratio {r}) does not end at position {p0}"
+                    ),
+                });
+            }
+            let c = self.compress(layer, x, store.pending(layer), first)?;
+            store.push_compressed(layer, &c.rows, &c.key_rows)?;
+            store.set_pending(layer, &c.pending)?;
+            compressed = Some(c);
+            // spec §4: a Full layer starts a new selection state; only the candidate source
+            // publishes candidates (below).
+            step.candidates = None;
+        }
+
+        let mut t = LayerTrace::default();
+        let src = spec.kv_source.unwrap_or(layer);
+        if spec.compress_ratio > 0 && spec.index_source == Some(layer) {
+            let (iq_pre, iq_rows) = self.index_queries(layer, &ql, &positions)?;
+            let iw = self.index_weights(layer, x)?;
+            let width = usize::try_from(store.compressed_len(src)).unwrap_or(usize::MAX);
+            let store_ref: &dyn KvStore = store;
+            let key = |j: u64| store_ref.index_key_row(src, j);
+            let mut scores = self.index_scores(layer, &iq_rows, &iw, &positions, width, &key)?;
+            if spec.is_candidate_source {
+                let (pools, bs) = self.candidate_pools(layer, &scores, &positions)?;
+                t.candidate_block_scores = bs;
+                step.candidates = Some(Candidates {
+                    source: layer,
+                    rows: pools,
+                });
+            }
+            let unmasked = if spec.uses_candidates {
+                match &step.candidates {
+                    Some(c) => {
+                        let raw = scores.clone();
+                        for (i, pool) in c.rows.iter().enumerate().take(n) {
+                            mask_to_candidates(&mut scores[i * width..(i + 1) * width], pool);
+                        }
+                        t.scores_after_candidates = Some(scores.clone());
+                        Some(raw)
+                    }
+                    None => {
+                        log::debug!(
+                            "layer {layer}: no candidate pool in this step (reset by a Full layer); scoring all entries"
+                        );
+                        None
+                    }
+                }
+            } else {
+                None
+            };
+            let rows = self.select(layer, &scores, n)?;
+            step.topk = Some(TopK {
+                source: layer,
+                k: d.index_topk,
+                rows,
+            });
+            t.index_queries_pre_quant = iq_pre;
+            t.index_query_rows = iq_rows;
+            t.index_weights = iw;
+            t.visible = positions
+                .iter()
+                .map(|&p| Self::visible(spec.compress_ratio, p).min(width as u64))
+                .collect();
+            t.score_width = width;
+            t.index_scores = unmasked.unwrap_or(scores);
+        }
+
+        let topk = if spec.compress_ratio > 0 {
+            let tk = step.topk.as_ref().ok_or_else(|| Error::State {
+                layer,
+                reason: format!(
+                    "{} layer found no top-k in this step (index source {:?} did not run)",
+                    spec.mode, spec.index_source
+                ),
+            })?;
+            if Some(tk.source) != spec.index_source {
+                return Err(Error::State {
+                    layer,
+                    reason: format!(
+                        "top-k comes from layer {}, the plan says {:?}",
+                        tk.source, spec.index_source
+                    ),
+                });
+            }
+            Some(tk)
+        } else {
+            None
+        };
+        let wb = self.window_codec.bytes();
+        let store_ref: &dyn KvStore = store;
+        let window = |p: u64| {
+            if p >= p0 {
+                let i = (p - p0) as usize;
+                wrows.get(i * wb..(i + 1) * wb)
+            } else {
+                store_ref.window_row(layer, p)
+            }
+        };
+        let entry = |j: u64| store_ref.compressed_row(src, j);
+        let attended = self.attend(layer, &q, &positions, &window, &entry, topk)?;
+        let out = self.output(layer, &attended, &positions)?;
+        if let Some(tr) = trace {
+            t.topk = topk.map(|tk| tk.rows.clone()).unwrap_or_default();
+            t.positions = positions;
+            t.query_latent = ql;
+            t.query = q;
+            t.window_pre_quant = wpre;
+            t.compressed = compressed;
+            t.attended = attended;
+            t.output = out.clone();
+            t.window_rows = wrows.clone();
+            *tr = t;
+        }
+        store.push_window(layer, p0, &wrows)?;
+        Ok(out)
+    }
+}
