@@ -37,6 +37,7 @@
 //! # Ok::<(), kvstack_kernels::Error>(())
 //! ```
 
+pub mod attn;
 pub mod bench;
 mod codec;
 pub mod csa2;

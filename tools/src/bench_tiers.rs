@@ -26,6 +26,9 @@ pub struct TiersArgs {
     /// Queue depth of the store (and of fio).
     #[arg(long, value_name = "N", default_value_t = 16)]
     queue_depth: usize,
+    /// Alternating fio / store runs of the SSD measurements (the best of each counts).
+    #[arg(long, value_name = "N", default_value_t = 2)]
+    repeat: usize,
     /// Skip fio even when it is installed.
     #[arg(long)]
     no_fio: bool,
@@ -42,6 +45,7 @@ pub fn run(args: &TiersArgs) -> Result<(), CliError> {
     opts.pool_snapshots = args.snapshots.max(2);
     opts.queue_depth = args.queue_depth.max(1);
     opts.fio = !args.no_fio;
+    opts.repetitions = args.repeat.max(1);
     let quiet = args.json;
     let report = run_tiers_bench(&opts, |stage| {
         if !quiet {

@@ -71,6 +71,9 @@ pub enum CliError {
     /// `kvstack store fsck` found damage (listed on standard output).
     #[error("{0} damaged ranges or segments found")]
     Damaged(usize),
+    /// An attention kernel failed in a benchmark.
+    #[error("attention kernel failed")]
+    Attention(#[source] kvstack_kernels::attn::AttnError),
     /// A benchmark ran but missed one of its targets.
     #[error("benchmark targets missed: {0}")]
     TargetsMissed(String),
@@ -83,6 +86,18 @@ pub enum CliError {
     /// `verify attention` ran and some stages are out of tolerance.
     #[error("verify attention: {failed} of {total} stage comparisons out of tolerance")]
     VerifyFailed {
+        /// Failed comparisons.
+        failed: usize,
+        /// All comparisons.
+        total: usize,
+    },
+    /// The forward pass, a checkpoint or `verify model` failed (the cause names the tensor,
+    /// file or config field).
+    #[error("model operation failed")]
+    Model(#[source] kvstack_runtime::model::Error),
+    /// `verify model` ran and some tensors are out of tolerance.
+    #[error("verify model: {failed} of {total} comparisons out of tolerance")]
+    ModelVerifyFailed {
         /// Failed comparisons.
         failed: usize,
         /// All comparisons.

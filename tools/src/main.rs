@@ -5,11 +5,14 @@
 //! is not an error.
 
 mod bench;
+mod bench_attention;
 mod bench_tiers;
 mod calc;
 mod codec;
 mod error;
 mod info;
+mod model;
+mod run;
 mod store;
 mod verify;
 
@@ -62,6 +65,14 @@ enum Command {
         #[command(subcommand)]
         which: BenchWhich,
     },
+    /// The main job: serve a simulated multi-session agent workload with the embedded tiny
+    /// V4.1 model and print throughput, reuse, cache bytes and time to first token.
+    Run(run::RunArgs),
+    /// Model checkpoints: `init` writes a seeded random one.
+    Model {
+        #[command(subcommand)]
+        op: model::ModelOp,
+    },
     /// Check kvstack against reference dumps.
     Verify {
         #[command(subcommand)]
@@ -74,6 +85,9 @@ enum VerifyWhich {
     /// Run the CSA2 attention chain on a reference dump and compare every recorded stage
     /// (exit 1 when one is out of tolerance).
     Attention(verify::AttentionArgs),
+    /// Run the whole forward pass on a reference dump and compare logits, final hidden state
+    /// and every recorded per-block tensor (exit 1 when one is out of tolerance).
+    Model(model::VerifyModelArgs),
 }
 
 #[derive(Subcommand)]
@@ -132,6 +146,9 @@ enum BenchWhich {
     /// SSD store and DRAM window pool against fio and memcpy measured in the same run; restore
     /// of a 131,072-token prefix; recovery time.
     Tiers(bench_tiers::TiersArgs),
+    /// CSA2 decode kernels (indexer scan, top-k, sparse attention) at the real dimensions, with
+    /// 1 and 2 threads, vs memory bandwidth and SIMD peaks measured in the same run.
+    Attention(bench_attention::AttentionArgs),
 }
 
 fn run(cli: Cli) -> Result<(), CliError> {
@@ -147,6 +164,11 @@ fn run(cli: Cli) -> Result<(), CliError> {
         Command::Verify {
             which: VerifyWhich::Attention(args),
         } => verify::attention(&args),
+        Command::Verify {
+            which: VerifyWhich::Model(args),
+        } => model::verify(&args),
+        Command::Run(args) => run::run(&args),
+        Command::Model { op } => model::run(&op),
         Command::Bench {
             which: BenchWhich::Codecs(args),
         } => bench::codecs(&args),
@@ -156,6 +178,9 @@ fn run(cli: Cli) -> Result<(), CliError> {
         Command::Bench {
             which: BenchWhich::Tiers(args),
         } => bench_tiers::run(&args),
+        Command::Bench {
+            which: BenchWhich::Attention(args),
+        } => bench_attention::run(&args),
         Command::Store { op } => store::run(&op),
     }
 }

@@ -248,8 +248,10 @@ pub fn choose_engine(
 }
 
 /// Runs `op` to completion on `engine` (submit, then wait for it): for callers that do one
-/// operation at a time (recovery, tools). Returns the operation (buffer and file) when the
-/// engine handed it back, and the bytes moved or the error.
+/// operation at a time (compaction, tools). The engine must have nothing else in flight: other
+/// completions reaped meanwhile are dropped (their buffers return to their pool). Returns the
+/// operation (buffer and file) when the engine handed it back, and the bytes moved or the
+/// error.
 pub fn run_one(engine: &mut dyn BlockEngine, op: IoOp) -> (Option<IoOp>, io::Result<usize>) {
     let tag = op.tag;
     if let Err(e) = engine.submit(op) {

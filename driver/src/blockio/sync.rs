@@ -114,3 +114,61 @@ impl BlockEngine for SyncEngine {
         Ok(n)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::blockio::{BufferPool, OpenMode, open_file};
+    use crate::pinned::{HugePages, Locking, PinnedOptions};
+    use std::sync::Arc;
+
+    #[test]
+    fn writes_and_reads_back_and_reports_end_of_file() {
+        let path = std::env::temp_dir().join(format!("kvstack-sync-test-{}", std::process::id()));
+        let f = Arc::new(
+            open_file(
+                &path,
+                OpenMode {
+                    write: true,
+                    create: true,
+                    direct: false,
+                },
+            )
+            .unwrap(),
+        );
+        let pool = BufferPool::new(
+            2,
+            8192,
+            PinnedOptions {
+                huge_pages: HugePages::Never,
+                locking: Locking::Never,
+            },
+        )
+        .unwrap();
+        let mut e = SyncEngine::new(1, false);
+        let mut buf = pool.try_get().unwrap();
+        buf.as_mut_slice().fill(9);
+        let op = |kind, buf, len| IoOp {
+            kind,
+            file: Arc::clone(&f),
+            offset: 0,
+            len,
+            buf,
+            tag: 1,
+        };
+        e.submit(op(OpKind::Write, buf, 4096)).unwrap();
+        // Depth 1: a second operation waits until the first is reaped.
+        let b2 = pool.try_get().unwrap();
+        let refused = e.submit(op(OpKind::Read, b2, 8192)).unwrap_err();
+        let mut out = Vec::new();
+        assert_eq!(e.wait(1, &mut out).unwrap(), 1);
+        assert_eq!(*out[0].result.as_ref().unwrap(), 4096);
+        out.clear();
+        e.submit(*refused.op).unwrap();
+        e.wait(1, &mut out).unwrap();
+        // The file holds 4096 bytes: the 8192-byte read stops at its end.
+        assert_eq!(*out[0].result.as_ref().unwrap(), 4096);
+        assert!(out[0].op.buf.as_slice()[..4096].iter().all(|&b| b == 9));
+        let _ = std::fs::remove_file(&path);
+    }
+}

@@ -15,6 +15,9 @@
 //! - [`attention`]: the CSA2 attention layer, prefill and decode, every layer mode
 //!   (`docs/attention.md`); [`weights`]: tensors from safetensors files; [`verify`]: `verify
 //!   attention` against a reference dump.
+//! - [`model`]: the V4.1 forward pass (hyper-connections, MoE, head, sampling; exact and CED
+//!   prefill), checkpoints in the released or NeMo naming and storage, `verify model`, seeded
+//!   random checkpoints (`docs/model.md`).
 //!
 //! The formulas, entry layouts and numbers are written out in `docs/cache-arithmetic.md`.
 
@@ -25,6 +28,7 @@ pub mod calc;
 pub mod config;
 mod error;
 mod frac;
+pub mod model;
 pub mod plan;
 pub mod tiers;
 pub mod verify;

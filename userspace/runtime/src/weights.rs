@@ -15,7 +15,8 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
-use safetensors::tensor::{Dtype, Metadata, SafeTensors};
+pub use safetensors::tensor::Dtype;
+use safetensors::tensor::{Metadata, SafeTensors};
 
 /// Errors of [`TensorFile`].
 #[derive(Debug, thiserror::Error)]
@@ -123,6 +124,18 @@ impl ElementType {
     }
 }
 
+/// One tensor of a [`TensorFile`] as stored: dtype, shape and the little-endian bytes (borrowed
+/// from the map).
+#[derive(Clone, Copy, Debug)]
+pub struct RawTensor<'a> {
+    /// The stored dtype.
+    pub dtype: Dtype,
+    /// The stored shape (for `F4`, the logical element shape: two elements per byte).
+    pub shape: &'a [usize],
+    /// The bytes.
+    pub data: &'a [u8],
+}
+
 /// A memory-mapped safetensors file.
 pub struct TensorFile {
     path: PathBuf,
@@ -199,6 +212,19 @@ impl TensorFile {
     /// The dtype of `name` as its safetensors name, if present.
     pub fn dtype_name(&self, name: &str) -> Option<String> {
         self.meta.info(name).map(|i| format!("{:?}", i.dtype))
+    }
+
+    /// The tensor `name` as stored (any dtype, any shape), if present: for loaders that
+    /// decode storage types themselves (BF16, FP8, packed FP4; `crate::model`).
+    pub fn raw_tensor(&self, name: &str) -> Option<RawTensor<'_>> {
+        let info = self.meta.info(name)?;
+        let (s, e) = info.data_offsets;
+        let data = self.map.get(self.data_start + s..self.data_start + e)?;
+        Some(RawTensor {
+            dtype: info.dtype,
+            shape: &info.shape,
+            data,
+        })
     }
 
     fn raw(&self, name: &str, ty: ElementType, expected: &[usize]) -> Result<&[u8], WeightsError> {

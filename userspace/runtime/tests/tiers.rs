@@ -341,6 +341,15 @@ fn damage_after_open_is_caught_on_read() {
     assert_eq!(store.stats().damaged_reads, 1);
     // Now served as a shorter prefix.
     assert_eq!(store.lookup(&model(), &t, &u, P).tokens, 2 * P as u64);
+    // Writing the unit again rewrites only the damaged block; then it reads back whole, also
+    // after a restart.
+    let tk = put(&store, &t, &u).unwrap();
+    assert_eq!(tk.new_blocks, 1);
+    tk.wait().unwrap();
+    assert_eq!(read_and_check(&store, &t, &u).0, u.len() as u64);
+    store.close().unwrap();
+    let store = open(small_opts(dir.path()), c.clone());
+    assert_eq!(read_and_check(&store, &t, &u).0, u.len() as u64);
 }
 
 #[test]
@@ -497,4 +506,33 @@ fn real_clock_store_opens_with_defaults() {
     put(&store, &t, &u).unwrap().wait().unwrap();
     store.flush().unwrap();
     assert_eq!(read_and_check(&store, &t, &u).0, u.len() as u64);
+}
+
+#[test]
+fn long_units_are_queued_in_parts_and_refused_whole() {
+    let dir = TempDir::new("parts");
+    let c = clock();
+    let t = Tenant::new("t");
+    let mut opts = small_opts(dir.path());
+    // Three data segments (one more is the reserve) hold 93 records of 8 KiB: one unit of 60
+    // blocks and its commit, not two.
+    opts.capacity_bytes = 4 * opts.segment_bytes;
+    let store = open(opts.clone(), c.clone());
+    // 60 blocks: two parts of 32 and 28 blocks, over several segments.
+    let long = unit_tokens(40, 0, 0, 60 * P);
+    let tk = put(&store, &t, &long).unwrap();
+    assert_eq!(tk.new_blocks, 60);
+    tk.wait().unwrap();
+    assert_eq!(read_and_check(&store, &t, &long).0, long.len() as u64);
+    // A second long unit does not fit: refused as a whole, counted, nothing of it visible.
+    let other = unit_tokens(41, 0, 0, 60 * P);
+    let r = put(&store, &t, &other).unwrap().wait();
+    assert!(matches!(r, Err(Error::StoreFull { .. })), "{r:?}");
+    assert_eq!(store.stats().refused_full, 1);
+    assert_eq!(store.lookup(&model(), &t, &other, P).tokens, 0);
+    assert_eq!(read_and_check(&store, &t, &long).0, long.len() as u64);
+    store.close().unwrap();
+    let store = open(opts, c);
+    assert_eq!(store.lookup(&model(), &t, &other, P).tokens, 0);
+    assert_eq!(read_and_check(&store, &t, &long).0, long.len() as u64);
 }

@@ -641,6 +641,22 @@ impl Csa2Attention {
         entry: &dyn Fn(u64) -> Option<&'a [u8]>,
         topk: Option<&TopK>,
     ) -> Result<Vec<f32>, Error> {
+        self.attend_from(layer, q, positions, window, entry, topk, 0)
+    }
+
+    /// [`Csa2Attention::attend`] with the window truncated at `window_start` (see
+    /// [`Csa2Attention::forward_from`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn attend_from<'a>(
+        &self,
+        layer: usize,
+        q: &[f32],
+        positions: &[u64],
+        window: &dyn Fn(u64) -> Option<&'a [u8]>,
+        entry: &dyn Fn(u64) -> Option<&'a [u8]>,
+        topk: Option<&TopK>,
+        window_start: u64,
+    ) -> Result<Vec<f32>, Error> {
         let (_, w, _) = self.spec(layer)?;
         let d = &self.dims;
         let n = positions.len();
@@ -656,7 +672,7 @@ impl Csa2Attention {
         let win = d.window as u64;
         for (i, &t) in positions.iter().enumerate() {
             keys.clear();
-            for p in (t + 1).saturating_sub(win)..=t {
+            for p in (t + 1).saturating_sub(win).max(window_start)..=t {
                 let row = window(p).ok_or_else(|| Error::State {
                     layer,
                     reason: format!("window row of position {p} (query {t}) is not available"),
@@ -726,6 +742,21 @@ impl Csa2Attention {
         step: &mut StepState,
         x: &[f32],
         trace: Option<&mut LayerTrace>,
+    ) -> Result<Vec<f32>, Error> {
+        self.forward_from(layer, store, step, x, trace, 0)
+    }
+
+    /// [`Csa2Attention::forward`] with the window truncated at `window_start`: query `t`
+    /// attends the window rows `[max(window_start, t - window + 1), t]` only (spec §3 CED
+    /// prefill and §7 bounded replay: window rows before the replayed segment do not exist).
+    pub fn forward_from(
+        &self,
+        layer: usize,
+        store: &mut dyn KvStore,
+        step: &mut StepState,
+        x: &[f32],
+        trace: Option<&mut LayerTrace>,
+        window_start: u64,
     ) -> Result<Vec<f32>, Error> {
         let (spec, _, _) = self.spec(layer)?;
         let spec = *spec;
@@ -847,7 +878,8 @@ impl Csa2Attention {
             }
         };
         let entry = |j: u64| store_ref.compressed_row(src, j);
-        let attended = self.attend(layer, &q, &positions, &window, &entry, topk)?;
+        let attended =
+            self.attend_from(layer, &q, &positions, &window, &entry, topk, window_start)?;
         let out = self.output(layer, &attended, &positions)?;
         if let Some(tr) = trace {
             t.topk = topk.map(|tk| tk.rows.clone()).unwrap_or_default();

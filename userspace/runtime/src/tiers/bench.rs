@@ -52,6 +52,8 @@ pub struct TiersBenchOptions {
     pub queue_depth: usize,
     /// Run fio when it is installed.
     pub fio: bool,
+    /// Alternating fio / store runs of the SSD measurements; the best of each counts.
+    pub repetitions: usize,
 }
 
 impl TiersBenchOptions {
@@ -65,6 +67,7 @@ impl TiersBenchOptions {
             pool_passes: 4,
             queue_depth: 16,
             fio: true,
+            repetitions: 2,
         }
     }
 }
@@ -137,8 +140,11 @@ pub struct RestoreReport {
     pub tokens: u64,
     /// Bytes of global KV (entries and indexer keys) restored.
     pub global_bytes: u64,
-    /// Wall time: lookup, reads, checks, appends into the paged cache.
+    /// Wall time (lookup, reads, checks, appends) into a warm paged cache (pages committed
+    /// by an earlier sequence, as in a serving process).
     pub seconds: f64,
+    /// The same into a fresh cache, which also commits, locks and collapses every page.
+    pub cold_seconds: f64,
     /// `global_bytes / fio read bandwidth`.
     pub fio_seconds: Option<f64>,
     /// `seconds / fio_seconds` (1.0 = as fast as fio reads the bytes).
@@ -173,8 +179,10 @@ pub struct TiersReport {
     pub queue_depth: usize,
     /// Tokens per unit.
     pub unit_tokens: u64,
-    /// Units written.
+    /// Units written per run.
     pub units: usize,
+    /// Alternating runs of fio and the store (best of each).
+    pub repetitions: usize,
     /// Store writes of whole units, device bytes, until durable (flush).
     pub ssd_write: Throughput,
     /// Store reads of whole units (every block checked), device bytes.
@@ -221,12 +229,14 @@ impl std::fmt::Display for TiersReport {
         writeln!(f, "tiers bench in {}", self.dir.display())?;
         writeln!(
             f,
-            "  engine {} (direct {}, fixed buffers {}), {}-byte records, queue depth {}",
+            "  engine {} (direct {}, fixed buffers {}), {}-byte records, queue depth {}, best \
+             of {} alternating runs",
             self.engine.kind.name(),
             self.engine.direct,
             self.engine.registered,
             self.record_bytes,
-            self.queue_depth
+            self.queue_depth,
+            self.repetitions
         )?;
         writeln!(
             f,
@@ -269,11 +279,12 @@ impl std::fmt::Display for TiersReport {
         let r = &self.restore;
         writeln!(
             f,
-            "  restore of a {}-token prefix ({} B of global KV): {:.3} s; at fio read bandwidth \
-             {}; ratio {}",
+            "  restore of a {}-token prefix ({} B of global KV): {:.3} s (fresh cache {:.3} s); \
+             at fio read bandwidth {}; ratio {}",
             r.tokens,
             r.global_bytes,
             r.seconds,
+            r.cold_seconds,
             r.fio_seconds
                 .map_or_else(|| "-".to_owned(), |s| format!("{s:.3} s")),
             ratio(r.ratio)
@@ -411,7 +422,8 @@ fn bench_in(
     let mut store_opts = StoreOptions::new(StoreLocation::Directory(store_dir.clone()));
     store_opts.queue_depth = opts.queue_depth.max(1);
     let per_unit = blocks_per_unit * record_len(super::store::V41_BLOCK_PAYLOAD as u64) + (1 << 20);
-    store_opts.capacity_bytes = ((opts.write_units as u64 + 2) * per_unit * 2)
+    store_opts.capacity_bytes = ((opts.repetitions.max(1) * opts.write_units) as u64 + 2)
+        .saturating_mul(per_unit * 2)
         .max(8 * store_opts.segment_bytes)
         .next_multiple_of(store_opts.segment_bytes);
     store_opts.max_unit_blocks = store_opts.max_unit_blocks.max(blocks_per_unit as usize);
@@ -457,66 +469,86 @@ fn bench_in(
         "--numjobs=1".into(),
     ];
 
-    // SSD write: fio first, then the store, back to back.
-    let mut fio_write = None;
-    if version.is_some() {
-        progress("fio write");
-        let mut a = fio_args.clone();
-        a.push("--end_fsync=1".into());
-        fio_write = Some(run_fio(&a, "write")?);
-    }
-    progress("store write");
+    // SSD write and read: fio and the store alternate, `repetitions` times each; the best run
+    // of each counts (the disk's bandwidth drifts between runs by more than what is compared).
     let kv = Synthetic {
         kv: pseudo_random(kv_block, 0x5151),
     };
     let tenant = Tenant::new("bench");
-    let before = tiers.store().stats().bytes_written;
-    let start = Instant::now();
-    let mut tickets = Vec::new();
+    let reps = opts.repetitions.max(1);
+    let mut fio_write: Option<f64> = None;
+    let mut ssd_write = Throughput::default();
     let mut units = Vec::new();
-    for u in 0..opts.write_units {
-        let tokens: Vec<u32> = (0..unit_tokens as u32)
-            .map(|i| i.wrapping_add((u as u32 + 1) << 24))
-            .collect();
-        tickets.push(tiers.store().put_unit(&UnitWrite {
-            model: tiers.model(),
-            tenant: &tenant,
-            tokens: &tokens,
-            page_tokens: 256,
-            align: 2,
-            source: &kv,
-        })?);
-        units.push(tokens);
-    }
-    for t in tickets {
-        t.wait()?;
-    }
-    tiers.flush()?;
-    let write_secs = start.elapsed().as_secs_f64();
-    let written = tiers.store().stats().bytes_written - before;
-    let ssd_write = Throughput::new(written, write_secs);
-
-    // SSD read.
-    let mut fio_read = None;
-    if version.is_some() {
-        progress("fio read");
-        fio_read = Some(run_fio(&fio_args, "read")?);
-        let _ = std::fs::remove_dir_all(&fio_dir);
-    }
-    progress("store read");
-    let start = Instant::now();
-    let mut read_bytes = 0u64;
-    for tokens in &units {
-        let hit = tiers.store().lookup(tiers.model(), &tenant, tokens, 256);
-        let outcome = tiers.store().read_blocks(&hit.keys, |_, h, _| {
-            read_bytes += h.record_len();
-            Ok(())
-        })?;
-        if outcome != ReadOutcome::Complete {
-            notes.push(format!("a unit read ended early: {outcome:?}"));
+    for rep in 0..reps {
+        if version.is_some() {
+            progress("fio write");
+            let _ = std::fs::remove_dir_all(&fio_dir);
+            std::fs::create_dir_all(&fio_dir)
+                .map_err(|e| Error::io("cannot create", &fio_dir, e))?;
+            let mut a = fio_args.clone();
+            a.push("--end_fsync=1".into());
+            let bw = run_fio(&a, "write")?;
+            fio_write = Some(fio_write.map_or(bw, |b| b.max(bw)));
+        }
+        progress("store write");
+        let before = tiers.store().stats().bytes_written;
+        let start = Instant::now();
+        let mut tickets = Vec::new();
+        for u in 0..opts.write_units {
+            let id = (rep * opts.write_units + u) as u32 + 1;
+            let tokens: Vec<u32> = (0..unit_tokens as u32)
+                .map(|i| i.wrapping_add(id << 24))
+                .collect();
+            tickets.push(tiers.store().put_unit(&UnitWrite {
+                model: tiers.model(),
+                tenant: &tenant,
+                tokens: &tokens,
+                page_tokens: 256,
+                align: 2,
+                source: &kv,
+            })?);
+            units.push(tokens);
+        }
+        for t in tickets {
+            t.wait()?;
+        }
+        tiers.flush()?;
+        let run = Throughput::new(
+            tiers.store().stats().bytes_written - before,
+            start.elapsed().as_secs_f64(),
+        );
+        if run.gb_per_s > ssd_write.gb_per_s {
+            ssd_write = run;
         }
     }
-    let ssd_read = Throughput::new(read_bytes, start.elapsed().as_secs_f64());
+    let mut fio_read: Option<f64> = None;
+    let mut ssd_read = Throughput::default();
+    for rep in 0..reps {
+        if version.is_some() {
+            progress("fio read");
+            let bw = run_fio(&fio_args, "read")?;
+            fio_read = Some(fio_read.map_or(bw, |b| b.max(bw)));
+        }
+        progress("store read");
+        let start = Instant::now();
+        let mut read_bytes = 0u64;
+        let last = &units[rep * opts.write_units..(rep + 1) * opts.write_units];
+        for tokens in last {
+            let hit = tiers.store().lookup(tiers.model(), &tenant, tokens, 256);
+            let outcome = tiers.store().read_blocks(&hit.keys, |_, h, _| {
+                read_bytes += h.record_len();
+                Ok(())
+            })?;
+            if outcome != ReadOutcome::Complete {
+                notes.push(format!("a unit read ended early: {outcome:?}"));
+            }
+        }
+        let run = Throughput::new(read_bytes, start.elapsed().as_secs_f64());
+        if run.gb_per_s > ssd_read.gb_per_s {
+            ssd_read = run;
+        }
+    }
+    let _ = std::fs::remove_dir_all(&fio_dir);
 
     // Restore of one V4.1-Flash prefix into a fresh paged cache.
     progress("restore");
@@ -540,18 +572,29 @@ fn bench_in(
             .key()
             .unwrap_or_default(),
     );
+    // Cold: into a fresh cache, whose pools commit (fault in, lock, collapse into huge pages)
+    // every page on first use. Warm: the same cache again after the sequence and its prefix
+    // index entries are dropped, so its pages are committed already, as in a serving process.
     let mut dst = KvCache::for_config(&cfg, cache_opts).map_err(|e| Error::Config(Box::new(e)))?;
-    let start = Instant::now();
-    let hit = tiers.lookup(&source_tokens, &tenant);
-    let restored = tiers.restore(&mut dst, &source_tokens, &hit)?;
-    let restore_secs = start.elapsed().as_secs_f64();
-    if restored.tokens != unit_tokens {
-        notes.push(format!(
-            "restore returned {} of {unit_tokens} tokens",
-            restored.tokens
-        ));
+    let mut times = Vec::new();
+    let mut restored_tokens = 0;
+    for _ in 0..2 {
+        let start = Instant::now();
+        let hit = tiers.lookup(&source_tokens, &tenant);
+        let restored = tiers.restore(&mut dst, &source_tokens, &hit)?;
+        times.push(start.elapsed().as_secs_f64());
+        restored_tokens = restored.tokens;
+        if restored.tokens != unit_tokens || restored.mapped_tokens != 0 {
+            notes.push(format!(
+                "restore returned {} of {unit_tokens} tokens ({} mapped)",
+                restored.tokens, restored.mapped_tokens
+            ));
+        }
+        dst.drop_sequence(restored.seq)?;
+        dst.clear_prefix_index();
     }
     drop(dst);
+    let (cold_secs, restore_secs) = (times[0], times[1]);
 
     // DRAM pool.
     progress("dram pool");
@@ -575,9 +618,10 @@ fn bench_in(
     let read_ratio = fio_read.map(|b| ssd_read.gb_per_s / (b / 1e9));
     let fio_seconds = fio_read.map(|b| global_bytes as f64 / b);
     let restore = RestoreReport {
-        tokens: restored.tokens,
+        tokens: restored_tokens,
         global_bytes,
         seconds: restore_secs,
+        cold_seconds: cold_secs,
         fio_seconds,
         ratio: fio_seconds.map(|f| restore_secs / f),
     };
@@ -602,6 +646,7 @@ fn bench_in(
         queue_depth: opts.queue_depth.max(1),
         unit_tokens,
         units: opts.write_units,
+        repetitions: opts.repetitions.max(1),
         ssd_write,
         ssd_read,
         payload_fraction: (kv_block + 1024) as f64 / record as f64,

@@ -15,7 +15,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use kvstack_driver::blockio::{OpenMode, file_size, open_file, preallocate, sync_dir};
+use kvstack_driver::blockio::{OpenMode, file_size, open_file, preallocate};
 use kvstack_driver::pinned::{HugePages, Locking, PinnedOptions, PinnedRegion};
 use kvstack_firmware_interface::record::{ALIGN, SEGMENT_HEADER_PAGE};
 use serde::Serialize;
@@ -265,8 +265,9 @@ impl Space {
                 .map_err(|e| Error::io("cannot create segment", &path, e))?;
                 preallocate(&f, self.segment_bytes)
                     .map_err(|e| Error::io("cannot preallocate segment", &path, e))?;
-                // The new name must survive a crash along with the data written into it.
-                sync_dir(dir).map_err(|e| Error::io("cannot sync store directory", dir, e))?;
+                // The new name must survive a crash along with the data written into it: the
+                // directory is synced with the batch that first writes into it, so creation
+                // itself does not wait for a journal commit.
                 self.used.insert(id);
                 Ok(SegmentFile {
                     id,

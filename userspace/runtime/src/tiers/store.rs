@@ -386,6 +386,9 @@ impl Shared {
     }
 }
 
+/// Blocks per queued part of a long unit.
+const PART_BLOCKS: usize = 32;
+
 /// A block a job must write.
 struct NewBlock {
     key: Key,
@@ -404,6 +407,8 @@ struct UnitJob {
     model: [u8; 16],
     created: u64,
     touch: bool,
+    /// Blocks only: an earlier part of a long unit, whose last part commits it.
+    part: bool,
     new_blocks: Vec<NewBlock>,
     queued: u64,
     reply: Option<mpsc::Sender<Result<()>>>,
@@ -894,9 +899,12 @@ impl SsdStore {
                 inflight: HashMap::new(),
                 next_tag: 0,
                 dirty: BTreeMap::new(),
+                created: false,
                 batch_error: None,
                 commits_done: Vec::new(),
                 relocated: Vec::new(),
+                lost: Vec::new(),
+                full_parts: HashSet::new(),
                 purpose: Purpose::Data,
             };
             Some(
@@ -963,7 +971,11 @@ impl SsdStore {
                     reason: reason.clone(),
                 });
             }
-            if st.units.contains_key(&end) {
+            let intact = st.units.contains_key(&end)
+                && keys
+                    .iter()
+                    .all(|k| st.blocks.get(k).is_some_and(BlockMeta::visible));
+            if intact {
                 drop(st);
                 self.touch_end(end, now);
                 return Ok(UnitTicket {
@@ -975,13 +987,31 @@ impl SsdStore {
                 });
             }
             for (i, k) in keys.iter().enumerate() {
-                match st.blocks.get_mut(k) {
+                let State {
+                    blocks, segments, ..
+                } = &mut *st;
+                match blocks.get_mut(k) {
                     Some(b) if b.state != BlockState::Failed && !b.damaged => b.pinned += 1,
-                    _ => {
+                    Some(b) => {
+                        // Damaged or never written: write it again under the same key (the
+                        // units that cover it become readable again once it is). Its old
+                        // record, if any, is dead space.
+                        if let Some(l) = b.loc()
+                            && let Some(s) = segments.get_mut(&l.seg)
+                            && s.blocks.remove(k)
+                        {
+                            s.live = s.live.saturating_sub(l.len);
+                        }
+                        b.state = BlockState::Pending;
+                        b.damaged = false;
+                        b.pinned += 1;
+                        missing.push(i);
+                    }
+                    None => {
                         let first = (i * p) as u64;
                         let tokens = (n - first).min(p as u64) as u32;
                         let parent = if i == 0 { root } else { keys[i - 1] };
-                        st.blocks.insert(
+                        blocks.insert(
                             *k,
                             BlockMeta {
                                 parent,
@@ -998,76 +1028,93 @@ impl SsdStore {
                 }
             }
         }
-        // Phase 2 (unlocked): build the new blocks' payloads.
-        let mut new_blocks = Vec::with_capacity(missing.len());
-        let mut queued = 0u64;
-        let mut failure = None;
+        // Phase 2 (unlocked): build the new blocks' payloads, and queue them in parts of
+        // `PART_BLOCKS` so the writer starts on a long unit while the rest is being copied.
+        // Parts carry blocks only; the last one carries the commit and the reply.
+        let mut part = Vec::new();
+        let mut part_bytes = 0u64;
+        let mut new_count = 0usize;
+        let job =
+            |blocks: Vec<NewBlock>, queued: u64, reply: Option<mpsc::Sender<Result<()>>>| UnitJob {
+                end,
+                tokens: n,
+                tenant_id: unit.tenant.id(),
+                model: unit.model.short(),
+                created: now,
+                touch: false,
+                part: reply.is_none(),
+                new_blocks: blocks,
+                queued,
+                reply,
+                keys: keys.clone(),
+                last_used: now,
+            };
+        // Reserves queue room for `bytes`, or explains why not.
+        let reserve = |bytes: u64| -> Result<()> {
+            let mut st = sh.lock();
+            if bytes > 0 && st.queued_bytes + bytes > sh.opts.write_queue_bytes {
+                bump(&sh.counters.refused_queue, 1);
+                return Err(Error::QueueFull {
+                    queued: st.queued_bytes,
+                    limit: sh.opts.write_queue_bytes,
+                });
+            }
+            st.queued_bytes += bytes;
+            Ok(())
+        };
+        let undo = |e: Error| -> Error {
+            // Parts already queued still write their blocks; with the pins gone those
+            // records are dead space.
+            let mut st = sh.lock();
+            unpin(&mut st, &keys);
+            e
+        };
         for &i in &missing {
             let first = (i * p) as u64;
             let count = (n - first).min(p as u64) as usize;
             let mut payload = Vec::with_capacity(sh.opts.max_block_payload);
-            if let Err(e) = unit.source.block_payload(i, first, count, &mut payload) {
-                failure = Some(e);
-                break;
-            }
+            unit.source
+                .block_payload(i, first, count, &mut payload)
+                .map_err(undo)?;
             for t in &unit.tokens[first as usize..first as usize + count] {
                 payload.extend_from_slice(&t.to_le_bytes());
             }
             if payload.len() > sh.opts.max_block_payload {
-                failure = Some(Error::BlockTooLarge {
+                return Err(undo(Error::BlockTooLarge {
                     bytes: payload.len(),
                     max: sh.opts.max_block_payload,
-                });
-                break;
+                }));
             }
-            queued += payload.len() as u64;
-            new_blocks.push(NewBlock {
+            part_bytes += payload.len() as u64;
+            part.push(NewBlock {
                 key: keys[i],
                 parent: if i == 0 { root } else { keys[i - 1] },
                 depth: i as u32 + 1,
                 tokens: count as u32,
                 payload,
             });
+            new_count += 1;
+            if part.len() == PART_BLOCKS && new_count < missing.len() {
+                reserve(part_bytes).map_err(undo)?;
+                if let Err(e) = sh.send(Job::Unit(Box::new(job(
+                    std::mem::take(&mut part),
+                    part_bytes,
+                    None,
+                )))) {
+                    return Err(undo(e));
+                }
+                part_bytes = 0;
+            }
         }
-        // Phase 3 (locked): queue, or undo.
-        let mut st = sh.lock();
-        if failure.is_none() && st.queued_bytes + queued > sh.opts.write_queue_bytes && queued > 0 {
-            bump(&sh.counters.refused_queue, 1);
-            failure = Some(Error::QueueFull {
-                queued: st.queued_bytes,
-                limit: sh.opts.write_queue_bytes,
-            });
-        }
-        if let Some(e) = failure {
-            unpin(&mut st, &keys);
-            return Err(e);
-        }
-        st.queued_bytes += queued;
-        drop(st);
-        bump(
-            &sh.counters.blocks_shared,
-            (keys.len() - new_blocks.len()) as u64,
-        );
+        // Phase 3: the last part, with the commit.
+        reserve(part_bytes).map_err(undo)?;
+        bump(&sh.counters.blocks_shared, (keys.len() - new_count) as u64);
         let (tx, rx) = mpsc::channel();
-        let job = UnitJob {
-            end,
-            tokens: n,
-            tenant_id: unit.tenant.id(),
-            model: unit.model.short(),
-            created: now,
-            touch: false,
-            new_blocks,
-            queued,
-            reply: Some(tx),
-            keys: keys.clone(),
-            last_used: now,
-        };
-        let new_count = job.new_blocks.len();
-        if let Err(e) = sh.send(Job::Unit(Box::new(job))) {
+        if let Err(e) = sh.send(Job::Unit(Box::new(job(part, part_bytes, Some(tx))))) {
             let mut st = sh.lock();
-            st.queued_bytes -= queued;
-            unpin(&mut st, &keys);
-            return Err(e);
+            st.queued_bytes = st.queued_bytes.saturating_sub(part_bytes);
+            drop(st);
+            return Err(undo(e));
         }
         Ok(UnitTicket {
             key: end,
@@ -1377,6 +1424,7 @@ impl SsdStore {
                 model,
                 created,
                 touch: true,
+                part: false,
                 new_blocks: Vec::new(),
                 queued: 0,
                 reply: None,
@@ -1486,6 +1534,7 @@ impl SsdStore {
                 model: u.model,
                 created: u.created,
                 touch: true,
+                part: false,
                 new_blocks: Vec::new(),
                 queued: 0,
                 reply: None,
@@ -1570,6 +1619,18 @@ fn unpin(st: &mut State, keys: &[Key]) {
     }
 }
 
+/// Marks blocks a job will not write as failed (their pins are released with the job's).
+fn fail_blocks(shared: &Shared, blocks: &[NewBlock]) {
+    let mut st = shared.lock();
+    for b in blocks {
+        if let Some(m) = st.blocks.get_mut(&b.key)
+            && m.state == BlockState::Pending
+        {
+            m.state = BlockState::Failed;
+        }
+    }
+}
+
 /// Removes a block nobody covers or pins: its record becomes dead space.
 fn drop_block(st: &mut State, k: &Key) {
     let Some(b) = st.blocks.remove(k) else {
@@ -1640,12 +1701,18 @@ struct Writer {
     next_tag: u64,
     /// Segments written since the last sync.
     dirty: BTreeMap<u64, Arc<SegmentFile>>,
+    /// A segment file was created since the last sync (its name must be synced too).
+    created: bool,
     /// The first write error of the current batch.
     batch_error: Option<String>,
     /// Commits whose writes completed: (job index in the batch, location).
     commits_done: Vec<(usize, Loc)>,
     /// Relocated copies whose writes completed: (key, location, is a unit's commit).
     relocated: Vec<(Key, Loc, bool)>,
+    /// Blocks compaction found damaged (not copied).
+    lost: Vec<Key>,
+    /// Units an earlier part of which was refused for lack of space.
+    full_parts: HashSet<Key>,
     /// What the record being allocated is for: data may not use the last free segment (kept
     /// for compaction and for recording uses); compaction may not reclaim (it is reclaiming).
     purpose: Purpose,
@@ -1669,6 +1736,10 @@ struct JobRun {
 
 impl Writer {
     fn run(mut self, rx: mpsc::Receiver<Job>) {
+        // One batch may wait for its sync while the next is written.
+        let (syncer, sync_rx) = mpsc::sync_channel::<SyncWork>(1);
+        let shared = Arc::clone(&self.shared);
+        let sync_thread = std::thread::spawn(move || sync_loop(&shared, &sync_rx));
         let mut shutdown = false;
         while !shutdown {
             let Ok(first) = rx.recv() else { break };
@@ -1701,39 +1772,51 @@ impl Writer {
                     Job::Shutdown => shutdown = true,
                 }
             }
-            self.write_batch(&mut units);
+            let mut work = self.write_batch(units);
             for tx in reclaims {
                 let r = self.reclaim_all();
                 let _ = tx.send(r);
             }
-            for tx in flushes {
-                let _ = tx.send(());
+            work.flushes = flushes;
+            // The sync and the acknowledgements run on the syncer thread while this one goes
+            // on writing the next batch. A sync failure poisons the store; later batches then
+            // fail without being synced.
+            if syncer.send(work).is_err() {
+                break;
             }
         }
         self.drain();
+        drop(syncer);
+        if sync_thread.join().is_err() {
+            log::error!("the store's sync thread panicked");
+        }
     }
 
     fn st(&self) -> MutexGuard<'_, State> {
         self.shared.lock()
     }
 
-    /// Writes a batch of unit jobs: blocks, then commits, then one sync, then publication.
-    fn write_batch(&mut self, runs: &mut [JobRun]) {
-        if runs.is_empty() {
-            return;
-        }
+    /// Writes a batch of unit jobs: blocks, then (once all have completed) commits. Returns
+    /// the work of the syncer: one sync of every file written, then publication.
+    fn write_batch(&mut self, mut runs: Vec<JobRun>) -> SyncWork {
         self.batch_error = None;
         let poisoned = self.st().poisoned.clone();
         // Phase 1: blocks.
         for r in runs.iter_mut() {
+            {
+                let mut st = self.st();
+                st.queued_bytes = st.queued_bytes.saturating_sub(r.job.queued);
+            }
+            let blocks = std::mem::take(&mut r.job.new_blocks);
             if let Some(reason) = &poisoned {
                 r.error = Some(Error::Poisoned {
                     reason: reason.clone(),
                 });
+                fail_blocks(&self.shared, &blocks);
                 continue;
             }
-            let blocks = std::mem::take(&mut r.job.new_blocks);
-            for b in blocks {
+            let mut blocks = blocks.into_iter();
+            while let Some(b) = blocks.next() {
                 let (tenant, model, created) = (r.job.tenant_id, r.job.model, r.job.created);
                 let header = RecordHeader {
                     kind: RecordKind::Block,
@@ -1756,23 +1839,23 @@ impl Writer {
                 {
                     Ok(()) => {}
                     Err(e) => {
-                        let mut st = self.st();
-                        if let Some(m) = st.blocks.get_mut(&b.key) {
-                            m.state = BlockState::Failed;
+                        if r.job.part && matches!(e, Error::StoreFull { .. }) {
+                            self.full_parts.insert(r.job.end);
                         }
-                        drop(st);
+                        // Neither this block nor the job's remaining ones will be written:
+                        // jobs sharing them must not wait for them.
+                        fail_blocks(&self.shared, std::slice::from_ref(&b));
+                        fail_blocks(&self.shared, &blocks.collect::<Vec<_>>());
                         r.error = Some(e);
                         break;
                     }
                 }
             }
-            let mut st = self.st();
-            st.queued_bytes = st.queued_bytes.saturating_sub(r.job.queued);
         }
         self.drain();
         // Phase 2: commits, once every block write of the batch has completed.
         for (i, r) in runs.iter_mut().enumerate() {
-            if r.error.is_some() {
+            if r.error.is_some() || r.job.part {
                 continue;
             }
             let ready = {
@@ -1783,9 +1866,14 @@ impl Writer {
                         .is_some_and(|b| b.loc().is_some() && !b.damaged)
                 })
             };
+            let refused = self.full_parts.remove(&r.job.end);
             if !ready {
-                r.error = Some(Error::WriteFailed {
-                    reason: "a block of the unit could not be written".into(),
+                r.error = Some(if refused {
+                    Error::StoreFull { needed: 0 }
+                } else {
+                    Error::WriteFailed {
+                        reason: "a block of the unit could not be written".into(),
+                    }
                 });
                 continue;
             }
@@ -1843,45 +1931,13 @@ impl Writer {
                 r.committed = Some(loc);
             }
         }
-        // Phase 3: make it durable.
-        let sync_error = self.sync();
-        let failure = sync_error.or_else(|| self.batch_error.take());
-        if let Some(reason) = &failure {
-            log::error!("store write failed, disabling writes: {reason}");
-            self.st().poisoned = Some(reason.clone());
-        }
-        // Phase 4: publish and acknowledge.
-        let mut st = self.shared.lock();
-        for r in runs.iter_mut() {
-            let ok = r.error.is_none() && r.committed.is_some() && failure.is_none();
-            if ok {
-                publish(&mut st, &r.job, r.committed, &self.shared);
-            } else if !r.job.touch {
-                unpin(&mut st, &r.job.keys);
-            } else if let Some(u) = st.units.get_mut(&r.job.end) {
-                u.touch_queued = false;
-            }
-            if !r.job.touch {
-                if ok {
-                    bump(&self.shared.counters.units_written, 1);
-                } else if matches!(r.error, Some(Error::StoreFull { .. })) {
-                    bump(&self.shared.counters.refused_full, 1);
-                } else {
-                    bump(&self.shared.counters.failed_writes, 1);
-                }
-            }
-            let reply = if ok {
-                Ok(())
-            } else {
-                Err(r.error.take().unwrap_or_else(|| Error::WriteFailed {
-                    reason: failure
-                        .clone()
-                        .unwrap_or_else(|| "commit not written".into()),
-                }))
-            };
-            if let Some(tx) = r.job.reply.take() {
-                let _ = tx.send(reply);
-            }
+        // Phases 3 and 4 (sync, publish, acknowledge) are the syncer's.
+        SyncWork {
+            runs,
+            files: std::mem::take(&mut self.dirty).into_values().collect(),
+            dir: std::mem::take(&mut self.created).then(|| self.shared.opts.location.clone()),
+            error: self.batch_error.take(),
+            flushes: Vec::new(),
         }
     }
 
@@ -2022,8 +2078,14 @@ impl Writer {
         }
     }
 
-    /// `fdatasync` of every segment written since the last sync. Returns the error, if any.
+    /// `fdatasync` of every segment written since the last sync (and of the directory when a
+    /// segment was created since). Returns the error, if any.
     fn sync(&mut self) -> Option<String> {
+        if std::mem::take(&mut self.created)
+            && let Err(e) = sync_location_dir(&self.shared.opts.location)
+        {
+            return Some(e);
+        }
         let dirty = std::mem::take(&mut self.dirty);
         let mut seen_files = HashSet::new();
         for (_, seg) in dirty {
@@ -2036,6 +2098,103 @@ impl Writer {
             }
         }
         None
+    }
+}
+
+/// A written batch waiting for its sync.
+struct SyncWork {
+    runs: Vec<JobRun>,
+    /// Every segment written by the batch.
+    files: Vec<Arc<SegmentFile>>,
+    /// The directory to sync when the batch created segment files.
+    dir: Option<StoreLocation>,
+    /// A write error of the batch.
+    error: Option<String>,
+    /// Flushes to answer once the batch is settled.
+    flushes: Vec<mpsc::Sender<()>>,
+}
+
+fn sync_location_dir(location: &StoreLocation) -> std::result::Result<(), String> {
+    match location {
+        StoreLocation::Directory(dir) => kvstack_driver::blockio::sync_dir(dir)
+            .map_err(|e| format!("fsync of directory {} failed: {e}", dir.display())),
+        StoreLocation::Device(_) => Ok(()),
+    }
+}
+
+/// The syncer thread: makes each written batch durable (one `fdatasync` per file, the
+/// directory when segments were created), then publishes and acknowledges its units, in
+/// batch order. After a failure every later batch fails unsynced: a file whose sync failed is
+/// not trusted again (a later sync could succeed without the lost writes).
+fn sync_loop(shared: &Shared, rx: &mpsc::Receiver<SyncWork>) {
+    for mut work in rx {
+        let poisoned = shared.lock().poisoned.clone();
+        let mut failure = poisoned.or(work.error.take());
+        if failure.is_none()
+            && let Some(loc) = &work.dir
+            && let Err(e) = sync_location_dir(loc)
+        {
+            failure = Some(e);
+        }
+        if failure.is_none() {
+            let mut seen = HashSet::new();
+            for seg in &work.files {
+                if !seen.insert(Arc::as_ptr(&seg.file) as usize) {
+                    continue;
+                }
+                if let Err(e) = seg.file.sync_data() {
+                    failure = Some(format!("fdatasync of {} failed: {e}", seg.path.display()));
+                    break;
+                }
+            }
+        }
+        drop(std::mem::take(&mut work.files));
+        let mut st = shared.lock();
+        if let Some(reason) = &failure
+            && st.poisoned.is_none()
+        {
+            log::error!("store write failed, disabling writes: {reason}");
+            st.poisoned = Some(reason.clone());
+        }
+        for r in work.runs.iter_mut() {
+            if r.job.part {
+                // Blocks only: their unit's last part publishes (or unpins) them.
+                continue;
+            }
+            let ok = r.error.is_none() && r.committed.is_some() && failure.is_none();
+            if ok {
+                publish(&mut st, &r.job, r.committed, shared);
+            } else if !r.job.touch {
+                unpin(&mut st, &r.job.keys);
+            } else if let Some(u) = st.units.get_mut(&r.job.end) {
+                u.touch_queued = false;
+            }
+            if !r.job.touch {
+                if ok {
+                    bump(&shared.counters.units_written, 1);
+                } else if matches!(r.error, Some(Error::StoreFull { .. })) {
+                    bump(&shared.counters.refused_full, 1);
+                } else {
+                    bump(&shared.counters.failed_writes, 1);
+                }
+            }
+            let reply = if ok {
+                Ok(())
+            } else {
+                Err(r.error.take().unwrap_or_else(|| Error::WriteFailed {
+                    reason: failure
+                        .clone()
+                        .unwrap_or_else(|| "commit not written".into()),
+                }))
+            };
+            if let Some(tx) = r.job.reply.take() {
+                let _ = tx.send(reply);
+            }
+        }
+        drop(st);
+        for tx in work.flushes {
+            let _ = tx.send(());
+        }
     }
 }
 
@@ -2102,6 +2261,7 @@ impl Writer {
                         SEGMENT_HEADER_PAGE as u64,
                     );
                     self.dirty.insert(id, Arc::clone(&file));
+                    self.created = true;
                     st.segments.insert(
                         id,
                         SegMeta {
@@ -2226,6 +2386,7 @@ impl Writer {
         );
         let purpose = std::mem::replace(&mut self.purpose, Purpose::Compaction);
         self.relocated.clear();
+        self.lost.clear();
         let result = self.relocate(&file, &blocks, &units);
         self.drain();
         let synced = self.sync();
@@ -2236,6 +2397,7 @@ impl Writer {
             return Err(Error::Poisoned { reason });
         }
         result?;
+        let lost = std::mem::take(&mut self.lost);
         let mut st = self.st();
         let mut moved = 0u64;
         for (key, loc, unit) in relocated {
@@ -2277,6 +2439,24 @@ impl Writer {
                     }
                 }
                 moved += 1;
+            }
+        }
+        // Damaged blocks are not copied: they stay in the index, invisible, until a unit
+        // writes them again; their bytes die with the segment.
+        for key in lost {
+            let State {
+                blocks, segments, ..
+            } = &mut *st;
+            if let Some(b) = blocks.get_mut(&key)
+                && let Some(old) = b.loc().filter(|l| l.seg == victim)
+            {
+                b.state = BlockState::Failed;
+                b.damaged = true;
+                if let Some(s) = segments.get_mut(&victim)
+                    && s.blocks.remove(&key)
+                {
+                    s.live = s.live.saturating_sub(old.len);
+                }
             }
         }
         bump(&self.shared.counters.records_relocated, moved);
@@ -2344,9 +2524,7 @@ impl Writer {
                         file.base + loc.offset
                     );
                     bump(&self.shared.counters.damaged_reads, 1);
-                    if let Some(b) = self.st().blocks.get_mut(key) {
-                        b.damaged = true;
-                    }
+                    self.lost.push(*key);
                 }
             }
         }

@@ -1,0 +1,774 @@
+//! AVX2 + FMA kernels of the attention module.
+//!
+//! Every `pub(crate)` function is a `#[target_feature(enable = "avx2,fma")]` fn: callers hold
+//! a [`crate::level::Verified`] AVX2 level before calling. Loads and stores go through the
+//! helpers below, whose bounds come from array types; the micro-kernels over the f32 tiles use
+//! raw pointers whose bounds are checked once per call (see each SAFETY comment).
+
+use core::arch::x86_64::*;
+
+use kvstack_firmware_interface::IndexMxfp4Entry;
+use kvstack_firmware_interface::element::E2M1_TIMES_TWO_I8;
+
+use super::Paged;
+use super::index::{IndexQuery, Prepared, score_exact};
+
+// ---------------------------------------------------------------------------------------------
+// Loads and stores with bounds from array types (any alignment).
+
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn ld_i(a: &[u8; 32]) -> __m256i {
+    // SAFETY: `a` is 32 readable bytes; `loadu` accepts any alignment.
+    unsafe { _mm256_loadu_si256(a.as_ptr().cast()) }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn st_i(a: &mut [u8; 32], v: __m256i) {
+    // SAFETY: `a` is 32 writable bytes borrowed mutably; `storeu` accepts any alignment.
+    unsafe { _mm256_storeu_si256(a.as_mut_ptr().cast(), v) }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn st_i32x8(a: &mut [i32; 8], v: __m256i) {
+    // SAFETY: `a` is 8 writable i32 (32 bytes) borrowed mutably; any alignment.
+    unsafe { _mm256_storeu_si256(a.as_mut_ptr().cast(), v) }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn ld_u32x8(a: &[u32; 8]) -> __m256i {
+    // SAFETY: `a` is 8 readable u32 (32 bytes); any alignment.
+    unsafe { _mm256_loadu_si256(a.as_ptr().cast()) }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn st_f(a: &mut [f32; 8], v: __m256) {
+    // SAFETY: `a` is 8 writable f32 (32 bytes) borrowed mutably; any alignment.
+    unsafe { _mm256_storeu_ps(a.as_mut_ptr(), v) }
+}
+
+/// A 32-byte aligned value, so that vector loads of it never split a cache line.
+#[repr(C, align(32))]
+struct A32<T>(T);
+
+// ---------------------------------------------------------------------------------------------
+// Indexer: exact integer MXFP4 x MXFP4 dots, eight keys per tile.
+
+/// `2 * e2m1(code) + 12` (0..=24, as unsigned bytes) by 4-bit code, both 128-bit lanes: keys
+/// become the unsigned operand of `vpmaddubsw`; the `+ 12` is removed with [`Prepared::off`].
+const fn key_lut() -> [u8; 32] {
+    let mut t = [0u8; 32];
+    let mut i = 0;
+    while i < 32 {
+        t[i] = (E2M1_TIMES_TWO_I8[i % 16] + 12) as u8;
+        i += 1;
+    }
+    t
+}
+static KEY_LUT: [u8; 32] = key_lut();
+
+/// Transposes an 8 x 8 block: lane `e` of result `i` is lane `i` of `v[e]`.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn transpose8x8(v: [__m256; 8]) -> [__m256; 8] {
+    let [r0, r1, r2, r3, r4, r5, r6, r7] = v;
+    let t0 = _mm256_unpacklo_ps(r0, r1);
+    let t1 = _mm256_unpackhi_ps(r0, r1);
+    let t2 = _mm256_unpacklo_ps(r2, r3);
+    let t3 = _mm256_unpackhi_ps(r2, r3);
+    let t4 = _mm256_unpacklo_ps(r4, r5);
+    let t5 = _mm256_unpackhi_ps(r4, r5);
+    let t6 = _mm256_unpacklo_ps(r6, r7);
+    let t7 = _mm256_unpackhi_ps(r6, r7);
+    let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+    let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+    let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+    let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+    let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+    let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+    let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+    let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+    [
+        _mm256_permute2f128_ps::<0x20>(u0, u4),
+        _mm256_permute2f128_ps::<0x20>(u1, u5),
+        _mm256_permute2f128_ps::<0x20>(u2, u6),
+        _mm256_permute2f128_ps::<0x20>(u3, u7),
+        _mm256_permute2f128_ps::<0x31>(u0, u4),
+        _mm256_permute2f128_ps::<0x31>(u1, u5),
+        _mm256_permute2f128_ps::<0x31>(u2, u6),
+        _mm256_permute2f128_ps::<0x31>(u3, u7),
+    ]
+}
+
+/// `t_{2c} + t_{2c+1}` for all 32 heads (four vectors) of one decoded key: the two blocks of
+/// packed chunk `c` are multiplied side by side (eight i16 accumulators), widened, offset,
+/// scaled by `2^(eq - 127)` and by the key's `2^(ek - 129)` (`sk0`, `sk1`), all exactly, and
+/// added with one rounding (exact under the fast-path conditions). A macro so that both
+/// halves are inlined into [`key_heads`] (LLVM does not inline a `#[target_feature]` function
+/// this large, and `#[inline(always)]` is not allowed on one).
+macro_rules! block_pair {
+    ($p:expr, $kb:expr, $c:literal, $sk0:expr, $sk1:expr) => {{
+        let (p, kb): (&Prepared, &[[u32; 8]; 4]) = ($p, $kb);
+        let (b0, b1) = (2 * $c, 2 * $c + 1);
+        let (q0, q1) = (&p.qv[b0], &p.qv[b1]);
+        let mut a0 = [_mm256_setzero_si256(); 4];
+        let mut a1 = [_mm256_setzero_si256(); 4];
+        for g in 0..8 {
+            let row = &kb[2 * $c + g / 4];
+            let k0 = _mm256_set1_epi32(row[g % 4] as i32);
+            let k1 = _mm256_set1_epi32(row[4 + g % 4] as i32);
+            for r in 0..4 {
+                a0[r] = _mm256_add_epi16(a0[r], _mm256_maddubs_epi16(k0, ld_i(&q0[g][r])));
+                a1[r] = _mm256_add_epi16(a1[r], _mm256_maddubs_epi16(k1, ld_i(&q1[g][r])));
+            }
+        }
+        let ones = _mm256_set1_epi16(1);
+        let (s0, s1) = (_mm256_set1_ps($sk0), _mm256_set1_ps($sk1));
+        let pair: [__m256; 4] = std::array::from_fn(|r| {
+            // `(I_raw - off) * 2^(eq - 127)` as one fused multiply-add of exact operands
+            // (`I_raw * sq` and `-off * sq` are exact); its exact result is an integer below
+            // 2^13 times a power of two, so the single rounding is exact too. Then
+            // `* 2^(ek - 129)`.
+            let i0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(a0[r], ones));
+            let i1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(a1[r], ones));
+            let u0 = _mm256_fmadd_ps(i0, ld_ps(&p.sq[b0][r]), ld_ps(&p.offsq[b0][r]));
+            let u1 = _mm256_fmadd_ps(i1, ld_ps(&p.sq[b1][r]), ld_ps(&p.offsq[b1][r]));
+            _mm256_fmadd_ps(u1, s1, _mm256_mul_ps(u0, s0))
+        });
+        pair
+    }};
+}
+
+/// The weighted head terms `T_h = w[h] * relu(d[h])` of one decoded key, heads `8r..8r+8` in
+/// vector `r`, with `d = (t_0 + t_1) + (t_2 + t_3)`. Kept out of line: inlined into the loop
+/// over eight keys, LLVM hoists the loop-invariant query loads and spills them.
+#[inline(never)]
+#[target_feature(enable = "avx2,fma")]
+fn key_heads(p: &Prepared, kb: &[[u32; 8]; 4], sk: [f32; 4], x: &mut [__m256; 4]) {
+    let p01 = block_pair!(p, kb, 0, sk[0], sk[1]);
+    let p23 = block_pair!(p, kb, 1, sk[2], sk[3]);
+    let zero = _mm256_setzero_ps();
+    for (r, xr) in x.iter_mut().enumerate() {
+        let d = _mm256_add_ps(p01[r], p23[r]);
+        *xr = _mm256_mul_ps(_mm256_max_ps(d, zero), ld_ps(&p.w[r]));
+    }
+}
+
+/// Scores eight keys with the integer kernel; `false` (and nothing written) when the tile's
+/// scale exponents are outside the window where the f32 combine is exact (see
+/// [`IndexQuery`]), so the caller must use the exact path.
+///
+/// Lanes are heads: per key, each 4-byte group of decoded key values (`2k + 12`) is broadcast
+/// and multiplied with the matching group of all 32 query heads (four vectors of eight heads,
+/// `vpmaddubsw`, exact) and summed in i16 over the block's eight groups (at most 4608 in
+/// magnitude); `vpmaddwd` widens to i32, the offset is removed, and the block scales are
+/// applied in f32 (exact, see [`IndexQuery`]). The heads are then weighted and summed in head
+/// order (see the [module documentation](super)).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn index_tile8(p: &Prepared, keys: &[&IndexMxfp4Entry; 8], out: &mut [f32; 8]) -> bool {
+    let Some(lim) = p.fast else {
+        return false;
+    };
+    // Scale bytes: lane e holds key e's four bytes.
+    let sc = A32(keys.map(|k| u32::from_le_bytes(k.scales)));
+    let s = ld_u32x8(&sc.0);
+    let m = _mm256_set1_epi32(0xFF);
+    let e = [
+        _mm256_and_si256(s, m),
+        _mm256_and_si256(_mm256_srli_epi32::<8>(s), m),
+        _mm256_and_si256(_mm256_srli_epi32::<16>(s), m),
+        _mm256_srli_epi32::<24>(s),
+    ];
+    let emin = _mm256_min_epi32(_mm256_min_epi32(e[0], e[1]), _mm256_min_epi32(e[2], e[3]));
+    let emax = _mm256_max_epi32(_mm256_max_epi32(e[0], e[1]), _mm256_max_epi32(e[2], e[3]));
+    let bad = _mm256_or_si256(
+        _mm256_or_si256(
+            _mm256_cmpgt_epi32(_mm256_set1_epi32(lim.kmin), emin),
+            _mm256_cmpgt_epi32(emax, _mm256_set1_epi32(lim.kmax)),
+        ),
+        _mm256_cmpgt_epi32(_mm256_sub_epi32(emax, emin), _mm256_set1_epi32(lim.kspan)),
+    );
+    if _mm256_movemask_epi8(bad) != 0 {
+        return false;
+    }
+    // 2^(ek - 129) = 2^(ek - 127) / 4: the key's scale and the 1/4 of `2k * 2q`; normal
+    // since ek >= kmin >= 3. `sk[b][e]`.
+    let two = _mm256_set1_epi32(2);
+    let mut sk = A32([[0f32; 8]; 4]);
+    for (d, x) in sk.0.iter_mut().zip(e) {
+        st_f(
+            d,
+            _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_sub_epi32(x, two))),
+        );
+    }
+
+    let lut = ld_i(&KEY_LUT);
+    let nib = _mm256_set1_epi8(0x0F);
+    let zero = _mm256_setzero_ps();
+    // Decoded keys, all eight first (so that no broadcast below waits on a recent store):
+    // kb[e][2c] = low nibbles (even elements) and kb[e][2c + 1] = high nibbles (odd elements)
+    // of packed bytes 32c..32c+32 of key e, as `2k + 12`.
+    let mut kb = A32([[[0u32; 8]; 4]; 8]);
+    for (k, kbe) in keys.iter().zip(kb.0.iter_mut()) {
+        let v: &[[u8; 32]; 2] = zerocopy::transmute_ref!(&k.values);
+        for (c, vc) in v.iter().enumerate() {
+            let pk = ld_i(vc);
+            let lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(pk, nib));
+            let hi = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16::<4>(pk), nib));
+            for (d, x) in kbe.iter_mut().skip(2 * c).zip([lo, hi]) {
+                st_i(zerocopy::transmute_mut!(d), x);
+            }
+        }
+    }
+    let mut xs = [[zero; 4]; 8];
+    for (ki, (kb, x)) in kb.0.iter().zip(xs.iter_mut()).enumerate() {
+        key_heads(
+            p,
+            kb,
+            [sk.0[0][ki], sk.0[1][ki], sk.0[2][ki], sk.0[3][ki]],
+            x,
+        );
+    }
+    // The head sum in head order, eight keys at once: transposed so that lanes are keys,
+    // `s = T_0; s = s + T_h` for h = 1..32.
+    let cols: [[__m256; 8]; 4] = std::array::from_fn(|r| std::array::from_fn(|e| xs[e][r]));
+    let mut total: Option<__m256> = None;
+    for col in cols {
+        for t in transpose8x8(col) {
+            total = Some(total.map_or(t, |s| _mm256_add_ps(s, t)));
+        }
+    }
+    let total = total.unwrap_or(zero);
+    st_f(out, total);
+    true
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn ld_ps(a: &[f32; 8]) -> __m256 {
+    // SAFETY: `a` is 8 readable f32 (32 bytes); `loadu` accepts any alignment.
+    unsafe { _mm256_loadu_ps(a.as_ptr()) }
+}
+
+/// How far ahead of the keys being scored the scan prefetches into L1, in bytes (32 keys,
+/// about 3 us of work: far more than a DRAM latency). A second prefetch into L2 runs eight
+/// times farther ahead, across the 4 KiB page boundaries where the hardware stream
+/// prefetcher stops.
+const KEY_PREFETCH: usize = 32 * IndexMxfp4Entry::BYTES;
+
+/// A partial tile of gathered keys with their destinations.
+struct Carry<'a> {
+    keys: [(usize, Option<&'a IndexMxfp4Entry>); 8],
+    n: usize,
+}
+
+impl<'a> Carry<'a> {
+    fn new() -> Self {
+        Carry {
+            keys: [(usize::MAX, None); 8],
+            n: 0,
+        }
+    }
+
+    /// Adds a key; scores the tile once it holds eight.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn push(&mut self, q: &IndexQuery, d: usize, k: &'a IndexMxfp4Entry, out: &mut [f32]) {
+        if let Some(slot) = self.keys.get_mut(self.n) {
+            *slot = (d, Some(k));
+        }
+        self.n += 1;
+        if self.n == 8 {
+            self.flush(q, out);
+        }
+    }
+
+    /// Scores the held keys (a partial tile is padded with copies of its first key).
+    #[target_feature(enable = "avx2,fma")]
+    fn flush(&mut self, q: &IndexQuery, out: &mut [f32]) {
+        let n = self.n;
+        self.n = 0;
+        let Some(first) = self.keys[0].1 else {
+            return;
+        };
+        let keys = self.keys.map(|(_, k)| k.unwrap_or(first));
+        let s = score8(q, &keys);
+        for ((d, _), &v) in self.keys.iter().zip(&s).take(n) {
+            if let Some(o) = out.get_mut(*d) {
+                *o = v;
+            }
+        }
+        self.keys = [(usize::MAX, None); 8];
+    }
+}
+
+/// Eight scores: the integer kernel, or the exact path for a tile it declines.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn score8(q: &IndexQuery, keys: &[&IndexMxfp4Entry; 8]) -> [f32; 8] {
+    let mut s = A32([0f32; 8]);
+    if !index_tile8(&q.prep, keys, &mut s.0) {
+        for (o, k) in s.0.iter_mut().zip(keys) {
+            *o = score_exact(q, k);
+        }
+    }
+    s.0
+}
+
+/// Keys the gathering scan prefetches ahead of the one it scores: candidate blocks sit at
+/// random places in a large cache, so each one costs a DRAM latency unless requested early.
+const GATHER_AHEAD: usize = 24;
+
+/// Scores the keys at `positions` into `out` (`out[i]` for `positions[i]`; positions outside
+/// `0..visible` are left alone), prefetching the keys `GATHER_AHEAD` places ahead in the list.
+#[target_feature(enable = "avx2,fma")]
+pub(crate) fn score_positions(
+    q: &IndexQuery,
+    keys: Paged<'_, IndexMxfp4Entry>,
+    visible: usize,
+    positions: &[i32],
+    out: &mut [f32],
+) {
+    let key = |p: i32| {
+        usize::try_from(p)
+            .ok()
+            .filter(|&p| p < visible)
+            .and_then(|p| keys.get(p))
+    };
+    let mut carry = Carry::new();
+    for (i, &p) in positions.iter().enumerate() {
+        if let Some(&a) = positions.get(i + GATHER_AHEAD)
+            && let Some(k) = key(a)
+        {
+            let ptr = (k as *const IndexMxfp4Entry).cast::<i8>();
+            // A prefetch never faults and has no effect visible to Rust; both addresses lie
+            // within or just past the 68-byte key, computed with wrapping arithmetic.
+            _mm_prefetch::<_MM_HINT_T0>(ptr);
+            _mm_prefetch::<_MM_HINT_T0>(ptr.wrapping_add(IndexMxfp4Entry::BYTES - 1));
+        }
+        if let Some(k) = key(p) {
+            carry.push(q, i, k, out);
+        }
+    }
+    carry.flush(q, out);
+}
+
+/// Scores runs of consecutive keys, run `(d, keys)` into `out[d..d + keys.len()]`: whole tiles
+/// straight from each run (with prefetching ahead), keys left over at run ends through a
+/// carried tile.
+#[target_feature(enable = "avx2,fma")]
+pub(crate) fn score_runs<'a>(
+    q: &IndexQuery,
+    runs: impl Iterator<Item = (usize, &'a [IndexMxfp4Entry])>,
+    out: &mut [f32],
+) {
+    let mut carry = Carry::new();
+    for (d0, run) in runs {
+        // Complete a pending tile first, so that the rest of the run is tile-aligned.
+        let lead = if carry.n > 0 {
+            (8 - carry.n).min(run.len())
+        } else {
+            0
+        };
+        let (head, rest) = run.split_at(lead);
+        for (i, k) in head.iter().enumerate() {
+            carry.push(q, d0 + i, k, out);
+        }
+        let (tiles, tail) = rest.as_chunks::<8>();
+        let mut d = d0 + lead;
+        for t in tiles {
+            let p = t.as_ptr().cast::<i8>();
+            for off in (0..size_of_val(t)).step_by(64) {
+                // A prefetch never faults and has no effect visible to Rust; the address may
+                // lie past the run, so it is computed with wrapping arithmetic.
+                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(KEY_PREFETCH + off));
+                _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(8 * KEY_PREFETCH + off));
+            }
+            let s = score8(q, &t.each_ref());
+            if let Some(o) = out.get_mut(d..d + 8) {
+                o.copy_from_slice(&s);
+            }
+            d += 8;
+        }
+        for (i, k) in tail.iter().enumerate() {
+            carry.push(q, d + i, k, out);
+        }
+    }
+    carry.flush(q, out);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sparse attention: f32 tiles of dequantized entries shared by all heads.
+
+use super::HEAD_DIM;
+use super::sparse::{KvRow, LOGIT_SCALE, Partial, Prep};
+use super::tile::{Row512, flat, flat_mut, zeroed};
+
+/// Entries per tile: a multiple of the logit kernel's 6 rows; 48 rows of 2 KiB stay in L2
+/// together with the queries and the output.
+const TILE: usize = 48;
+/// Channels per pass of the logit kernel: its slice of the transposed queries (16 heads x
+/// `DC` x 4 B) and of the tile (48 x `DC` x 4 B) fit in L1 together.
+const DC: usize = 64;
+
+/// `e^x` for 8 lanes: `x = n ln2 + r` with `|r| <= ln2 / 2` (`ln2` split in two for an exact
+/// `n ln2`), a degree-7 polynomial for `e^r` (relative error about 1e-7), times `2^n` built in
+/// the exponent bits. Below -87.3 (including `-inf`) the result is 0; NaN propagates.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn exp_ps(x: __m256) -> __m256 {
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    const C: [f32; 6] = [
+        1.987_569_1e-4,
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        0.166_666_65,
+        0.5,
+    ];
+    // Operand order keeps NaN: `min_ps(a, b)` returns `b` when either is NaN.
+    let x = _mm256_min_ps(_mm256_set1_ps(88.0), x);
+    let tiny = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(-87.3));
+    let x = _mm256_max_ps(_mm256_set1_ps(-87.3), x);
+    let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
+        x,
+        _mm256_set1_ps(std::f32::consts::LOG2_E),
+    ));
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x);
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
+    let mut y = _mm256_set1_ps(C[0]);
+    for &c in &C[1..] {
+        y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(c));
+    }
+    let y = _mm256_fmadd_ps(
+        y,
+        _mm256_mul_ps(r, r),
+        _mm256_add_ps(r, _mm256_set1_ps(1.0)),
+    );
+    let pow = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+        _mm256_cvtps_epi32(n),
+        _mm256_set1_epi32(127),
+    ));
+    let v = _mm256_mul_ps(y, _mm256_castsi256_ps(pow));
+    _mm256_andnot_ps(tiny, v)
+}
+
+/// Dequantizes one attended entry into `out`.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn dequantize_row(row: &KvRow<'_>, out: &mut Row512) {
+    let out = std::slice::from_mut(&mut out.0);
+    match row {
+        KvRow::Fp8(e) => crate::x86::avx2::dequantize_fp8(std::slice::from_ref(*e), out),
+        KvRow::Fp4(e) => crate::x86::avx2::dequantize_fp4(std::slice::from_ref(*e), out),
+    }
+}
+
+/// Logits of 6 entries x 16 heads over channels `d0..d0 + dc`: `s[j][h0..h0+16] (+)=
+/// sum_d kt[j0 + j][d] * qt[d][h0..h0+16]`. Twelve accumulators, two query vectors and one
+/// broadcast key value live in the 16 registers; per channel 2 vector loads and 6 broadcasts
+/// feed 12 FMAs.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+fn qk_6x16(
+    kt: &[Row512],
+    j0: usize,
+    qt: &[f32],
+    hp: usize,
+    h0: usize,
+    d0: usize,
+    dc: usize,
+    accumulate: bool,
+    s: &mut [f32],
+) {
+    let ok = j0 + 6 <= kt.len()
+        && d0 + dc <= HEAD_DIM
+        && h0 + 16 <= hp
+        && qt.len() >= HEAD_DIM * hp
+        && s.len() >= (j0 + 6) * hp;
+    debug_assert!(ok, "qk_6x16 bounds");
+    if !ok {
+        return;
+    }
+    let mut acc = [[_mm256_setzero_ps(); 2]; 6];
+    // SAFETY: checked above: rows j0..j0+6 exist (Row512 is exactly 512 f32 without padding,
+    // so rows are contiguous at stride 512); channels d0..d0+dc are inside each row; qt holds
+    // 512 rows of hp values and columns h0..h0+16 are inside a row; s holds rows j0..j0+6 of
+    // hp values. `loadu`/`storeu` accept any alignment.
+    unsafe {
+        let srow = s.as_mut_ptr().add(j0 * hp + h0);
+        if accumulate {
+            for (j, a) in acc.iter_mut().enumerate() {
+                a[0] = _mm256_loadu_ps(srow.add(j * hp));
+                a[1] = _mm256_loadu_ps(srow.add(j * hp + 8));
+            }
+        }
+        let mut kp = kt.as_ptr().add(j0).cast::<f32>().add(d0);
+        let mut qp = qt.as_ptr().add(d0 * hp + h0);
+        for _ in 0..dc {
+            let q0 = _mm256_loadu_ps(qp);
+            let q1 = _mm256_loadu_ps(qp.add(8));
+            for (j, a) in acc.iter_mut().enumerate() {
+                let k = _mm256_broadcast_ss(&*kp.add(j * HEAD_DIM));
+                a[0] = _mm256_fmadd_ps(k, q0, a[0]);
+                a[1] = _mm256_fmadd_ps(k, q1, a[1]);
+            }
+            kp = kp.add(1);
+            qp = qp.add(hp);
+        }
+        for (j, a) in acc.iter().enumerate() {
+            _mm256_storeu_ps(srow.add(j * hp), a[0]);
+            _mm256_storeu_ps(srow.add(j * hp + 8), a[1]);
+        }
+    }
+}
+
+/// `o[h][d0..d0+16] = alpha[h] * o[h][..] + sum_j p[j][h] * kt[j][d0..d0+16]` for heads
+/// `h0..h0 + MR` (MR <= 6): 2 MR accumulators, two value vectors and one broadcast weight.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+fn pv_kernel<const MR: usize>(
+    kt: &[Row512],
+    n: usize,
+    p: &[f32],
+    hp: usize,
+    h0: usize,
+    d0: usize,
+    alpha: &[f32],
+    o: &mut [f32],
+) {
+    let ok = n <= kt.len()
+        && h0 + MR <= hp
+        && d0 + 16 <= HEAD_DIM
+        && p.len() >= n * hp
+        && alpha.len() >= hp
+        && o.len() >= hp * HEAD_DIM;
+    debug_assert!(ok, "pv_kernel bounds");
+    if !ok {
+        return;
+    }
+    let mut acc = [[_mm256_setzero_ps(); 2]; MR];
+    // SAFETY: checked above: heads h0..h0+MR are rows of o (hp x 512) and entries of alpha;
+    // channels d0..d0+16 are inside a row; rows 0..n of kt and of p (n x hp) exist.
+    unsafe {
+        let orow = o.as_mut_ptr().add(h0 * HEAD_DIM + d0);
+        for (i, a) in acc.iter_mut().enumerate() {
+            let al = _mm256_broadcast_ss(&*alpha.as_ptr().add(h0 + i));
+            a[0] = _mm256_mul_ps(_mm256_loadu_ps(orow.add(i * HEAD_DIM)), al);
+            a[1] = _mm256_mul_ps(_mm256_loadu_ps(orow.add(i * HEAD_DIM + 8)), al);
+        }
+        let mut kp = kt.as_ptr().cast::<f32>().add(d0);
+        let mut pp = p.as_ptr().add(h0);
+        for _ in 0..n {
+            let v0 = _mm256_loadu_ps(kp);
+            let v1 = _mm256_loadu_ps(kp.add(8));
+            for (i, a) in acc.iter_mut().enumerate() {
+                let w = _mm256_broadcast_ss(&*pp.add(i));
+                a[0] = _mm256_fmadd_ps(w, v0, a[0]);
+                a[1] = _mm256_fmadd_ps(w, v1, a[1]);
+            }
+            kp = kp.add(HEAD_DIM);
+            pp = pp.add(hp);
+        }
+        for (i, a) in acc.iter().enumerate() {
+            _mm256_storeu_ps(orow.add(i * HEAD_DIM), a[0]);
+            _mm256_storeu_ps(orow.add(i * HEAD_DIM + 8), a[1]);
+        }
+    }
+}
+
+/// Online softmax step for one tile of `n` logit rows (`s`, `n x hp`, overwritten with the
+/// weights `p = e^(s * 512^-0.5 - m_new)`): new running maxima, rescale factors
+/// `alpha = e^(m_old - m_new)` (0 for the empty initial state) and denominators.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn softmax_tile(
+    s: &mut [f32],
+    n: usize,
+    hp: usize,
+    m: &mut [f32],
+    l: &mut [f32],
+    alpha: &mut [f32],
+) {
+    let c = _mm256_set1_ps(LOGIT_SCALE);
+    for hv in (0..hp).step_by(8) {
+        let (Some(mv), Some(lv), Some(av)) = (
+            m.get_mut(hv..hv + 8),
+            l.get_mut(hv..hv + 8),
+            alpha.get_mut(hv..hv + 8),
+        ) else {
+            return;
+        };
+        let (Ok(mv), Ok(lv), Ok(av)) = (
+            <&mut [f32; 8]>::try_from(mv),
+            <&mut [f32; 8]>::try_from(lv),
+            <&mut [f32; 8]>::try_from(av),
+        ) else {
+            return;
+        };
+        let mut mt = _mm256_set1_ps(f32::NEG_INFINITY);
+        for j in 0..n {
+            if let Some(x) = s.get_mut(j * hp + hv..j * hp + hv + 8)
+                && let Ok(x) = <&mut [f32; 8]>::try_from(x)
+            {
+                let v = _mm256_mul_ps(ld_ps(x), c);
+                st_f(x, v);
+                mt = _mm256_max_ps(mt, v);
+            }
+        }
+        let mo = ld_ps(mv);
+        let mn = _mm256_max_ps(mo, mt);
+        let a = exp_ps(_mm256_sub_ps(mo, mn));
+        let mut sum = _mm256_setzero_ps();
+        for j in 0..n {
+            if let Some(x) = s.get_mut(j * hp + hv..j * hp + hv + 8)
+                && let Ok(x) = <&mut [f32; 8]>::try_from(x)
+            {
+                let p = exp_ps(_mm256_sub_ps(ld_ps(x), mn));
+                st_f(x, p);
+                sum = _mm256_add_ps(sum, p);
+            }
+        }
+        st_f(lv, _mm256_fmadd_ps(ld_ps(lv), a, sum));
+        st_f(mv, mn);
+        st_f(av, a);
+    }
+}
+
+/// Prefetches every cache line of an entry (into all levels).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn prefetch_row(row: &KvRow<'_>) {
+    let (p, len) = row.bytes();
+    for off in (0..len).step_by(64) {
+        // A prefetch never faults and has no effect visible to Rust; the address is inside
+        // the entry, computed with wrapping arithmetic and never dereferenced.
+        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off).cast());
+    }
+}
+
+/// Attends `rows` into `st`, tile by tile: dequantize (once for all heads), logits, online
+/// softmax, `P . V`.
+#[target_feature(enable = "avx2,fma")]
+pub(crate) fn attend(prep: &Prep<'_>, rows: &[KvRow<'_>], st: &mut Partial) {
+    let hp = prep.hp;
+    let qt = flat(&prep.qt);
+    let mut kt = vec![Row512([0.0; HEAD_DIM]); TILE];
+    let mut sv = zeroed(TILE * hp);
+    let s = flat_mut(&mut sv);
+    let mut alpha = vec![0f32; hp];
+    let o = flat_mut(&mut st.o);
+    let tiles = rows.chunks(TILE);
+    let mut next = rows.chunks(TILE).skip(1);
+    for tile in tiles {
+        if let Some(nt) = next.next() {
+            for r in nt {
+                prefetch_row(r);
+            }
+        }
+        let n = tile.len();
+        let np = n.next_multiple_of(6);
+        for (r, k) in tile.iter().zip(kt.iter_mut()) {
+            dequantize_row(r, k);
+        }
+        // Padding rows are zero: their logits are computed but never used.
+        for k in kt.iter_mut().take(np).skip(n) {
+            k.0.fill(0.0);
+        }
+        for h0 in (0..hp).step_by(16) {
+            for d0 in (0..HEAD_DIM).step_by(DC) {
+                for j0 in (0..np).step_by(6) {
+                    qk_6x16(&kt, j0, qt, hp, h0, d0, DC, d0 > 0, s);
+                }
+            }
+        }
+        softmax_tile(s, n, hp, &mut st.m, &mut st.l, &mut alpha);
+        for d0 in (0..HEAD_DIM).step_by(16) {
+            let mut h0 = 0;
+            while h0 < hp {
+                match hp - h0 {
+                    1 => pv_kernel::<1>(&kt, n, s, hp, h0, d0, &alpha, o),
+                    2 => pv_kernel::<2>(&kt, n, s, hp, h0, d0, &alpha, o),
+                    3 => pv_kernel::<3>(&kt, n, s, hp, h0, d0, &alpha, o),
+                    4 => pv_kernel::<4>(&kt, n, s, hp, h0, d0, &alpha, o),
+                    5 => pv_kernel::<5>(&kt, n, s, hp, h0, d0, &alpha, o),
+                    _ => pv_kernel::<6>(&kt, n, s, hp, h0, d0, &alpha, o),
+                }
+                h0 += 6;
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Peak loops for the benchmark: register-resident, no memory traffic.
+
+/// Independent FMA chains per loop iteration: two FMA pipes with a 4-5 cycle latency need at
+/// least 10 chains in flight; 12 fit the register file with the two constant operands.
+const CHAINS: usize = 12;
+
+/// `iters` iterations of 12 independent 8-lane FMAs (`12 * 16` FLOP each). Returns a value
+/// derived from the accumulators so that the work cannot be elided.
+#[target_feature(enable = "avx2,fma")]
+pub(crate) fn fma_peak(iters: u64, seed: f32) -> f32 {
+    let a = _mm256_set1_ps(0.999_999);
+    let b = _mm256_set1_ps(1e-7);
+    let mut acc = [_mm256_set1_ps(seed); CHAINS];
+    for (i, x) in acc.iter_mut().enumerate() {
+        *x = _mm256_add_ps(*x, _mm256_set1_ps(i as f32));
+    }
+    for _ in 0..iters {
+        for x in acc.iter_mut() {
+            *x = _mm256_fmadd_ps(*x, a, b);
+        }
+    }
+    let mut s = _mm256_setzero_ps();
+    for x in acc {
+        s = _mm256_add_ps(s, x);
+    }
+    let mut out = [0f32; 8];
+    st_f(&mut out, s);
+    out.iter().sum()
+}
+
+/// `iters` iterations of 12 independent `vpmaddubsw` + `vpaddw` pairs (32 multiply-adds of
+/// 8-bit integers each), the instruction mix of the indexer's inner loop. Each chain feeds its
+/// own result back as the next unsigned operand, so nothing can be hoisted.
+#[target_feature(enable = "avx2,fma")]
+pub(crate) fn int8_peak(iters: u64, seed: i32) -> i32 {
+    let q = _mm256_set1_epi8(3);
+    let d = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_set1_epi32(seed); CHAINS];
+    for (i, x) in acc.iter_mut().enumerate() {
+        *x = _mm256_add_epi32(*x, _mm256_set1_epi32(i as i32));
+    }
+    for _ in 0..iters {
+        for x in acc.iter_mut() {
+            *x = _mm256_add_epi16(_mm256_maddubs_epi16(*x, q), d);
+        }
+    }
+    let mut s = _mm256_setzero_si256();
+    for x in acc {
+        s = _mm256_add_epi32(s, x);
+    }
+    let mut out = [0i32; 8];
+    st_i32x8(&mut out, s);
+    out.iter().fold(0i32, |a, &b| a.wrapping_add(b))
+}
+
+/// Whether the integer kernel accepts a tile (tests check that realistic keys never fall back
+/// to the exact path, so the bit-identity tests exercise the kernel).
+#[cfg(test)]
+#[target_feature(enable = "avx2,fma")]
+pub(crate) fn tile_accepted(q: &IndexQuery, keys: &[&IndexMxfp4Entry; 8]) -> bool {
+    let mut out = [0f32; 8];
+    index_tile8(&q.prep, keys, &mut out)
+}

@@ -1,0 +1,445 @@
+//! The indexer scan: `I(s) = sum_h w[h] * relu(q[h] . k[s])` over MXFP4 keys (spec §4, §5.3).
+
+use kvstack_firmware_interface::element::E2M1_TIMES_TWO_I8;
+use kvstack_firmware_interface::{EntryFormat, IndexMxfp4Entry};
+use zerocopy::FromZeros;
+
+use super::{AttnError, INDEX_DIM, INDEX_HEADS, Paged, thread_count, verified};
+use crate::SimdLevel;
+use crate::level::Verified;
+
+/// An indexer query for one token: 32 heads of 128 values in MXFP4 (spec §5.3) and the 32 f32
+/// head weights, prepared once for the integer kernels.
+///
+/// # Exactness of the fast path
+///
+/// Per 32-element block `b` the integer sum `I_b = sum(2 q_i * 2 k_i)` is exact (`|I_b| <=
+/// 4608 < 2^13`), and the block's term is `t_b = I_b * 2^(eq_b + ek_b - 256)`. The AVX2 kernel
+/// forms `t_0 + t_1` and `t_2 + t_3` in f32 and rounds their sum once, which equals the f64
+/// combine of [`crate::dot_mxfp4_mxfp4`] whenever every term is a normal f32 and the pair sums
+/// are exact. Sufficient, and checked per tile of eight keys: every query scale byte in
+/// `1..=254`; for every key, `eq + ek` in `130..=368` for all block pairs; and the spread of the
+/// key's four exponents plus the spread of the head's four exponents at most 10 (then every
+/// sum of terms spans at most 24 significant bits). Real activations have spreads of a few
+/// units; a tile that fails the check is scored by the exact f64 path instead, so the result is
+/// bit-identical either way.
+#[derive(Clone)]
+pub struct IndexQuery {
+    pub(crate) heads: [IndexMxfp4Entry; INDEX_HEADS],
+    pub(crate) weights: [f32; INDEX_HEADS],
+    pub(crate) prep: Box<Prepared>,
+}
+
+impl std::fmt::Debug for IndexQuery {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IndexQuery")
+            .field("weights", &self.weights)
+            .field("fast_path", &self.prep.fast.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+/// The query in the layout of the integer kernel (lanes are heads: vector `r` holds heads
+/// `8r..8r+8`).
+#[derive(Clone)]
+pub(crate) struct Prepared {
+    /// `qv[b][g][r]`: lane `i` holds the four `2 * e2m1` values (i8) of head `8r + i` for
+    /// group `g` of block `b`, elements [`group_element`]`(b, g, 0..4)`.
+    pub(crate) qv: [[[[u8; 32]; 4]; 8]; 4],
+    /// `offsq[b][r]`: `-12 * sum(2 q_i) * 2^(eq - 127)` over block `b` of each head (exact).
+    /// Keys are decoded as `2 k + 12` (unsigned bytes for `vpmaddubsw`), so `12 * sum(2 q_i)`
+    /// is removed from each block sum, in the same fused multiply-add that applies the scale.
+    pub(crate) offsq: [[[f32; 8]; 4]; 4],
+    /// `sq[b][r]`: `2^(eq - 127)` of block `b` of each head.
+    pub(crate) sq: [[[f32; 8]; 4]; 4],
+    /// The head weights, eight per vector.
+    pub(crate) w: [[f32; 8]; 4],
+    /// Key scale bytes the fast path accepts for this query; `None` if the query itself has a
+    /// scale byte outside `1..=241` or a head spans more than 10 exponents.
+    pub(crate) fast: Option<FastLimits>,
+}
+
+/// Bounds on the key scale bytes of a tile for the f32 fast path (see [`IndexQuery`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct FastLimits {
+    /// Smallest allowed key scale byte.
+    pub(crate) kmin: i32,
+    /// Largest allowed key scale byte.
+    pub(crate) kmax: i32,
+    /// Largest allowed spread (max - min) of one key's four scale bytes.
+    pub(crate) kspan: i32,
+}
+
+/// Element (0..128) of byte `j` of group `g` (0..8) of block `b` in the AVX2 kernel's decode
+/// order.
+///
+/// The kernel splits a key's packed bytes `32c..32c+32` (`c = b / 2`) into their low nibbles
+/// (even elements) and high nibbles (odd elements); 4-byte group `dw` of either covers packed
+/// bytes `32c + 4dw .. +4`, i.e. elements `64c + 8dw + 2j (+1)`. Block `b` is made of
+/// `dw = 4(b % 2) .. +4`, low nibbles first (`g < 4`), then high.
+pub(crate) const fn group_element(b: usize, g: usize, j: usize) -> usize {
+    let c = b / 2;
+    let dw = 4 * (b % 2) + g % 4;
+    let nib = g / 4;
+    64 * c + 8 * dw + 2 * j + nib
+}
+
+/// `2 * e2m1` of element `i` of an MXFP4 row.
+fn x2(e: &IndexMxfp4Entry, i: usize) -> i8 {
+    let byte = e.values[i / 2];
+    let code = if i.is_multiple_of(2) {
+        byte & 0x0F
+    } else {
+        byte >> 4
+    };
+    E2M1_TIMES_TWO_I8[usize::from(code)]
+}
+
+impl Prepared {
+    fn new(heads: &[IndexMxfp4Entry; INDEX_HEADS], weights: &[f32; INDEX_HEADS]) -> Prepared {
+        let mut p = Prepared {
+            qv: [[[[0; 32]; 4]; 8]; 4],
+            offsq: [[[0.0; 8]; 4]; 4],
+            sq: [[[0.0; 8]; 4]; 4],
+            w: std::array::from_fn(|r| std::array::from_fn(|i| weights[8 * r + i])),
+            fast: None,
+        };
+        let (mut qmin, mut qmax, mut qspan) = (255i32, 0i32, 0i32);
+        for (h, q) in heads.iter().enumerate() {
+            let (r, i) = (h / 8, h % 8);
+            for b in 0..4 {
+                let mut sum = 0i32;
+                for g in 0..8 {
+                    for j in 0..4 {
+                        let v = x2(q, group_element(b, g, j));
+                        p.qv[b][g][r][4 * i + j] = v as u8;
+                        sum += i32::from(v);
+                    }
+                }
+                let sq = kvstack_firmware_interface::element::ue8m0_to_f32(q.scales[b]);
+                p.sq[b][r][i] = sq;
+                // |12 * sum| <= 4608 < 2^13: exact in f32, and so is its product with the
+                // power of two (normal on the fast path; the slow path does not read it).
+                p.offsq[b][r][i] = -(12 * sum) as f32 * sq;
+            }
+            let e = q.scales.map(i32::from);
+            let (lo, hi) = (
+                e.iter().copied().min().unwrap_or(0),
+                e.iter().copied().max().unwrap_or(0),
+            );
+            qmin = qmin.min(lo);
+            qmax = qmax.max(hi);
+            qspan = qspan.max(hi - lo);
+        }
+        if qmin >= 1 && qmax <= 241 && qspan <= 10 {
+            p.fast = Some(FastLimits {
+                kmin: (130 - qmin).max(3),
+                kmax: (368 - qmax).min(254),
+                kspan: 10 - qspan,
+            });
+        }
+        p
+    }
+}
+
+impl IndexQuery {
+    /// A query from its 32 MXFP4 heads and f32 head weights (`weights_proj(h) * 128^-0.5 *
+    /// 32^-0.5`, spec §4).
+    pub fn new(heads: &[IndexMxfp4Entry; INDEX_HEADS], weights: &[f32; INDEX_HEADS]) -> Self {
+        IndexQuery {
+            heads: *heads,
+            weights: *weights,
+            prep: Box::new(Prepared::new(heads, weights)),
+        }
+    }
+
+    /// Quantizes 32 x 128 f32 query values (head-major, post-RoPE) to MXFP4 and prepares them.
+    ///
+    /// # Errors
+    ///
+    /// [`AttnError::LengthMismatch`] unless `q.len() == 32 * 128`; [`AttnError::Level`] wrapping
+    /// [`crate::Error::NonFinite`] for a NaN or infinite value.
+    pub fn from_f32(q: &[f32], weights: &[f32; INDEX_HEADS]) -> Result<Self, AttnError> {
+        if q.len() != INDEX_HEADS * INDEX_DIM {
+            return Err(AttnError::LengthMismatch {
+                what: "indexer query f32 values (32 heads x 128)",
+                expected: INDEX_HEADS * INDEX_DIM,
+                actual: q.len(),
+            });
+        }
+        let mut heads = [IndexMxfp4Entry::new_zeroed(); INDEX_HEADS];
+        let bytes = zerocopy::IntoBytes::as_mut_bytes(&mut heads[..]);
+        crate::quantize(EntryFormat::IndexMxfp4, q, bytes)?;
+        Ok(IndexQuery::new(&heads, weights))
+    }
+
+    /// The MXFP4 query heads.
+    pub fn heads(&self) -> &[IndexMxfp4Entry; INDEX_HEADS] {
+        &self.heads
+    }
+
+    /// The head weights.
+    pub fn weights(&self) -> &[f32; INDEX_HEADS] {
+        &self.weights
+    }
+
+    /// Whether the integer fast path can serve this query (see the type's documentation).
+    pub fn has_fast_path(&self) -> bool {
+        self.prep.fast.is_some()
+    }
+}
+
+/// The weighted head sum of the index score: `T_h = w[h] * relu(d[h])` rounded to f32, summed
+/// in head order in f32 starting from the first head's term (`s = T_0; s = s + T_h`), the order
+/// of the public reference's recorded scores.
+pub(crate) fn head_sum(d: &[f32; INDEX_HEADS], w: &[f32; INDEX_HEADS]) -> f32 {
+    let mut s = w[0] * d[0].max(0.0);
+    for (&wh, &dh) in w.iter().zip(d).skip(1) {
+        s += wh * dh.max(0.0);
+    }
+    s
+}
+
+/// Scores one key exactly as the reference does: the exact dots, then [`head_sum`]. This is
+/// the portable path and the fallback of the fast one.
+pub(crate) fn score_exact(q: &IndexQuery, k: &IndexMxfp4Entry) -> f32 {
+    let mut d = [0f32; INDEX_HEADS];
+    for (head, dh) in q.heads.iter().zip(d.iter_mut()) {
+        crate::portable::dot_mxfp4_mxfp4(head, std::slice::from_ref(k), std::slice::from_mut(dh));
+    }
+    head_sum(&d, &q.weights)
+}
+
+/// Scores `(destination, key)` items into `out[destination]` with the exact (portable) path.
+fn score_items<'a>(
+    q: &IndexQuery,
+    items: impl Iterator<Item = (usize, &'a IndexMxfp4Entry)>,
+    out: &mut [f32],
+) {
+    for (d, k) in items {
+        if let Some(o) = out.get_mut(d) {
+            *o = score_exact(q, k);
+        }
+    }
+}
+
+/// Below this many keys per thread, extra threads cost more than they save.
+const MIN_KEYS_PER_THREAD: usize = 2048;
+
+/// Index scores of every stored key: `out[s] = I(s)` for `s < visible`, `-inf` for the
+/// invisible rest (`visible` is the count of visible entries, `(t + 1) / ratio` for query
+/// position `t`, spec §4). `threads` contiguous ranges are scored in parallel (1 = the calling
+/// thread only); the result does not depend on `threads`.
+///
+/// # Errors
+///
+/// [`AttnError::LengthMismatch`] unless `out.len() == keys.len()`;
+/// [`AttnError::PositionOutOfRange`] if `visible > keys.len()`.
+pub fn indexer_scores(
+    query: &IndexQuery,
+    keys: Paged<'_, IndexMxfp4Entry>,
+    visible: usize,
+    threads: usize,
+    out: &mut [f32],
+) -> Result<(), AttnError> {
+    scan(Verified::detected(), query, keys, visible, threads, out)
+}
+
+/// [`indexer_scores`] on a given level.
+///
+/// # Errors
+///
+/// As [`indexer_scores`], plus [`AttnError::Level`] for a level this CPU cannot run.
+pub fn indexer_scores_with(
+    level: SimdLevel,
+    query: &IndexQuery,
+    keys: Paged<'_, IndexMxfp4Entry>,
+    visible: usize,
+    threads: usize,
+    out: &mut [f32],
+) -> Result<(), AttnError> {
+    scan(verified(Some(level))?, query, keys, visible, threads, out)
+}
+
+pub(crate) fn scan(
+    level: Verified,
+    query: &IndexQuery,
+    keys: Paged<'_, IndexMxfp4Entry>,
+    visible: usize,
+    threads: usize,
+    out: &mut [f32],
+) -> Result<(), AttnError> {
+    if out.len() != keys.len() {
+        return Err(AttnError::LengthMismatch {
+            what: "index scores (one per stored key)",
+            expected: keys.len(),
+            actual: out.len(),
+        });
+    }
+    if visible > keys.len() {
+        return Err(AttnError::PositionOutOfRange {
+            what: "visible index keys",
+            position: visible as i64,
+            len: keys.len(),
+        });
+    }
+    let (scored, rest) = out.split_at_mut(visible);
+    rest.fill(f32::NEG_INFINITY);
+    let t = thread_count(threads).min(visible.div_ceil(MIN_KEYS_PER_THREAD).max(1));
+    // Whole tiles of eight per thread, so that only the last range has a partial tile.
+    let chunk = visible.div_ceil(t).next_multiple_of(8).max(8);
+    let run = |start: usize, o: &mut [f32]| {
+        let runs = keys
+            .runs(start..start + o.len())
+            .map(move |(p, r)| (p - start, r));
+        match level.level() {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `level` is `Verified` as AVX2, so this CPU has AVX2 and FMA.
+            SimdLevel::Avx2 => unsafe { super::avx2::score_runs(query, runs, o) },
+            _ => {
+                let items =
+                    runs.flat_map(|(d, r)| r.iter().enumerate().map(move |(i, k)| (d + i, k)));
+                score_items(query, items, o);
+            }
+        }
+    };
+    std::thread::scope(|s| {
+        let mut chunks = scored.chunks_mut(chunk).enumerate();
+        let first = chunks.next();
+        for (i, o) in chunks {
+            s.spawn(move || run(i * chunk, o));
+        }
+        if let Some((_, o)) = first {
+            run(0, o);
+        }
+    });
+    Ok(())
+}
+
+/// Index scores of the keys at `positions` (a Reindex layer's candidate pool, spec §4):
+/// `out[i] = I(positions[i])` when `0 <= positions[i] < visible`, `-inf` otherwise (so `-1`
+/// slots score `-inf`). Parallel over `threads` slices of the list; the result does not depend
+/// on `threads`.
+///
+/// # Errors
+///
+/// [`AttnError::LengthMismatch`] unless `out.len() == positions.len()`;
+/// [`AttnError::PositionOutOfRange`] if `visible > keys.len()`.
+pub fn indexer_scores_at(
+    query: &IndexQuery,
+    keys: Paged<'_, IndexMxfp4Entry>,
+    visible: usize,
+    positions: &[i32],
+    threads: usize,
+    out: &mut [f32],
+) -> Result<(), AttnError> {
+    gather(
+        Verified::detected(),
+        query,
+        keys,
+        visible,
+        positions,
+        threads,
+        out,
+    )
+}
+
+/// [`indexer_scores_at`] on a given level.
+///
+/// # Errors
+///
+/// As [`indexer_scores_at`], plus [`AttnError::Level`].
+pub fn indexer_scores_at_with(
+    level: SimdLevel,
+    query: &IndexQuery,
+    keys: Paged<'_, IndexMxfp4Entry>,
+    visible: usize,
+    positions: &[i32],
+    threads: usize,
+    out: &mut [f32],
+) -> Result<(), AttnError> {
+    gather(
+        verified(Some(level))?,
+        query,
+        keys,
+        visible,
+        positions,
+        threads,
+        out,
+    )
+}
+
+pub(crate) fn gather(
+    level: Verified,
+    query: &IndexQuery,
+    keys: Paged<'_, IndexMxfp4Entry>,
+    visible: usize,
+    positions: &[i32],
+    threads: usize,
+    out: &mut [f32],
+) -> Result<(), AttnError> {
+    if out.len() != positions.len() {
+        return Err(AttnError::LengthMismatch {
+            what: "index scores (one per candidate position)",
+            expected: positions.len(),
+            actual: out.len(),
+        });
+    }
+    if visible > keys.len() {
+        return Err(AttnError::PositionOutOfRange {
+            what: "visible index keys",
+            position: visible as i64,
+            len: keys.len(),
+        });
+    }
+    let t = thread_count(threads).min(positions.len().div_ceil(MIN_KEYS_PER_THREAD).max(1));
+    let chunk = positions.len().div_ceil(t).next_multiple_of(8).max(8);
+    let run = |pos: &[i32], o: &mut [f32]| {
+        o.fill(f32::NEG_INFINITY);
+        match level.level() {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `level` is `Verified` as AVX2, so this CPU has AVX2 and FMA.
+            SimdLevel::Avx2 => unsafe {
+                super::avx2::score_positions(query, keys, visible, pos, o)
+            },
+            _ => {
+                let items = pos.iter().enumerate().filter_map(|(i, &p)| {
+                    let p = usize::try_from(p).ok().filter(|&p| p < visible)?;
+                    keys.get(p).map(|k| (i, k))
+                });
+                score_items(query, items, o);
+            }
+        }
+    };
+    std::thread::scope(|s| {
+        let mut chunks = positions.chunks(chunk).zip(out.chunks_mut(chunk));
+        let first = chunks.next();
+        for (p, o) in chunks {
+            s.spawn(move || run(p, o));
+        }
+        if let Some((p, o)) = first {
+            run(p, o);
+        }
+    });
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn group_order_is_a_permutation_of_each_block() {
+        for b in 0..4 {
+            let mut seen = [false; 32];
+            for k in 0..8 {
+                for j in 0..4 {
+                    let e = group_element(b, k, j);
+                    assert_eq!(e / 32, b, "element {e} outside block {b}");
+                    assert!(!seen[e % 32]);
+                    seen[e % 32] = true;
+                }
+            }
+        }
+    }
+}

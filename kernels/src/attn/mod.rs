@@ -1,0 +1,280 @@
+//! CPU decode kernels of CSA2 attention (spec §4): the indexer scan, top-k selection, the
+//! hierarchical candidate pool and the sparse attention over window (FP8) and selected global
+//! (FP4) entries, at the real V4.1-Flash dimensions (64 query heads x 512, indexer 32 x 128).
+//!
+//! Every fast kernel has a plain scalar reference in [`reference`] that the tests compare it
+//! with, and a `_with(level, ..)` form that forces a [`SimdLevel`].
+//!
+//! # Indexer ([`indexer_scores`], [`indexer_scores_at`])
+//!
+//! `I(s) = sum_h w[h] * relu(q[h] . k[s])` with the query heads and the keys in MXFP4 (spec
+//! §5.3). Each `q[h] . k[s]` is the exact dot product rounded once to f32, bit for bit
+//! [`crate::dot_mxfp4_mxfp4`]; `relu(x) = max(x, 0)`; the products `T_h = w[h] * relu(..)`
+//! are rounded to f32 and summed in f32 in head order starting from the first head's term
+//! (`s = T_0; s = s + T_h`, the order the public reference's recorded scores have). The fast
+//! path therefore returns exactly the scores of [`reference::indexer_scores_ref`] (and of
+//! `csa2::IndexQuery::score`), on every level and for every thread count.
+//!
+//! The AVX2 path multiplies `2 * e2m1` values as 8-bit integers (`vpmaddubsw`, 32 products per
+//! instruction, exact; the 32 heads in the lanes, each key group broadcast), and applies the power-of-two block scales in
+//! f32 where that is provably exact; a tile of keys whose scale exponents fall outside that
+//! window (never for real activations) takes the f64 path of the reference instead. See
+//! [`IndexQuery`].
+//!
+//! # Selection ([`topk`], [`topk_positions`], [`candidate_blocks`])
+//!
+//! Scores are ranked by `f32::total_cmp` (highest first, `-0` below `+0`); equal scores go to
+//! the **lower** index or position; NaN and `-inf` are never selected. The result is the set
+//! of the `k` best, written in ascending order and padded with `-1`; a selected `+inf` (only
+//! from an overflow) is written as `-1`, as the reference does with non-finite picks. This is
+//! the rule of `csa2::topk` and `csa2::candidate_pool`, and the sets are equal to theirs.
+//!
+//! # Sparse attention ([`sparse_attention_decode`])
+//!
+//! One decode token: 64 heads x 512 f32 queries attend over the window's FP8 entries and the
+//! selected FP4 entries (`-1` slots skipped), `V = K`, logits `q . k * 512^-0.5`, a per-head
+//! sink adding `exp(sink)` to the softmax denominator only. Each entry is dequantized once per
+//! thread into an f32 tile shared by all heads; register-blocked FMA micro-kernels compute the
+//! logits of 16 heads x 6 entries and the `P . V` update of 4 heads x 24 channels, with an
+//! online (flash-style) softmax between them. Threads split the entries and merge their
+//! partial softmax states at the end.
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+pub mod bench;
+mod index;
+mod portable;
+pub mod reference;
+mod select;
+mod sparse;
+mod tile;
+
+use std::fmt;
+use std::ops::Range;
+
+pub use index::{
+    IndexQuery, indexer_scores, indexer_scores_at, indexer_scores_at_with, indexer_scores_with,
+};
+pub use select::{candidate_blocks, topk, topk_positions};
+pub use sparse::{SparseAttnInput, sparse_attention_decode, sparse_attention_decode_with};
+
+use crate::SimdLevel;
+
+/// Query heads of the core attention (spec §2).
+pub const HEADS: usize = 64;
+/// Width of a query head and of a KV entry.
+pub const HEAD_DIM: usize = 512;
+/// Indexer heads.
+pub const INDEX_HEADS: usize = 32;
+/// Width of an indexer head and key.
+pub const INDEX_DIM: usize = 128;
+/// Entries the indexer selects per query.
+pub const TOPK: usize = 512;
+/// Sliding-window length.
+pub const WINDOW: usize = 128;
+/// Blocks kept in the hierarchical candidate pool.
+pub const POOL_BLOCKS: usize = 2048;
+/// Compressed positions per candidate block.
+pub const POOL_BLOCK: usize = 8;
+
+/// Errors of the attention kernels. Each names what was wrong, so it can be printed as is.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum AttnError {
+    /// A buffer or list has the wrong length.
+    #[error("{what}: expected {expected}, got {actual}")]
+    LengthMismatch {
+        /// Which buffer, with its unit.
+        what: &'static str,
+        /// The length the other arguments imply.
+        expected: usize,
+        /// The length that was passed.
+        actual: usize,
+    },
+    /// A position refers past the entries that exist.
+    #[error("{what}: position {position} is out of range (have {len} entries)")]
+    PositionOutOfRange {
+        /// Which list held the position.
+        what: &'static str,
+        /// The offending position.
+        position: i64,
+        /// How many entries exist.
+        len: usize,
+    },
+    /// A page list does not have the fixed page geometry [`Paged::pages`] requires.
+    #[error(
+        "page {page} holds {len} entries; pages hold {page_entries} (only the last may hold fewer)"
+    )]
+    PageLayout {
+        /// Index of the offending page.
+        page: usize,
+        /// Its length.
+        len: usize,
+        /// The page size.
+        page_entries: usize,
+    },
+    /// A SIMD level this CPU cannot run was requested.
+    #[error(transparent)]
+    Level(#[from] crate::Error),
+}
+
+/// Stored entries by position, either one contiguous slice or fixed-size pages (the paged KV
+/// cache's block table: page `k` holds positions `[k * page_entries, (k + 1) * page_entries)`).
+///
+/// Scans walk the pages as contiguous runs; top-k gathers find a position's page with one
+/// division. A paged cache builds one from its block table, for example
+/// `Paged::pages(&view.pages().collect::<Vec<_>>(), view.page_entries())`.
+pub struct Paged<'a, E> {
+    repr: Repr<'a, E>,
+    len: usize,
+}
+
+enum Repr<'a, E> {
+    Contiguous(&'a [E]),
+    Pages {
+        pages: &'a [&'a [E]],
+        page_entries: usize,
+    },
+}
+
+impl<E> Clone for Repr<'_, E> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<E> Copy for Repr<'_, E> {}
+impl<E> Clone for Paged<'_, E> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<E> Copy for Paged<'_, E> {}
+
+impl<E> fmt::Debug for Paged<'_, E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut d = f.debug_struct("Paged");
+        d.field("len", &self.len);
+        if let Repr::Pages {
+            pages,
+            page_entries,
+        } = self.repr
+        {
+            d.field("pages", &pages.len())
+                .field("page_entries", &page_entries);
+        }
+        d.finish()
+    }
+}
+
+impl<'a, E> Paged<'a, E> {
+    /// One contiguous run of entries, position `i` at `entries[i]`.
+    pub fn contiguous(entries: &'a [E]) -> Self {
+        Paged {
+            repr: Repr::Contiguous(entries),
+            len: entries.len(),
+        }
+    }
+
+    /// Fixed-size pages: every page but the last must hold exactly `page_entries` entries, the
+    /// last at most that many.
+    ///
+    /// # Errors
+    ///
+    /// [`AttnError::PageLayout`] for a page of another size (or `page_entries == 0` with a
+    /// non-empty page).
+    pub fn pages(pages: &'a [&'a [E]], page_entries: usize) -> Result<Self, AttnError> {
+        let last = pages.len().saturating_sub(1);
+        let mut len = 0usize;
+        for (k, p) in pages.iter().enumerate() {
+            let ok = if k == last {
+                p.len() <= page_entries
+            } else {
+                p.len() == page_entries
+            };
+            if !ok || (page_entries == 0 && !p.is_empty()) {
+                return Err(AttnError::PageLayout {
+                    page: k,
+                    len: p.len(),
+                    page_entries,
+                });
+            }
+            len += p.len();
+        }
+        Ok(Paged {
+            repr: Repr::Pages {
+                pages,
+                page_entries: page_entries.max(1),
+            },
+            len,
+        })
+    }
+
+    /// Number of entries.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether there are no entries.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The entry at `pos`, `None` past the end.
+    #[inline]
+    pub fn get(&self, pos: usize) -> Option<&'a E> {
+        match self.repr {
+            Repr::Contiguous(s) => s.get(pos),
+            Repr::Pages {
+                pages,
+                page_entries,
+            } => pages.get(pos / page_entries)?.get(pos % page_entries),
+        }
+    }
+
+    /// The entries of `range` (clamped to [`Paged::len`]) as contiguous runs, in position
+    /// order, each with the position of its first entry.
+    pub fn runs(&self, range: Range<usize>) -> impl Iterator<Item = (usize, &'a [E])> + 'a {
+        let end = range.end.min(self.len);
+        let mut pos = range.start.min(end);
+        let repr = self.repr;
+        std::iter::from_fn(move || {
+            if pos >= end {
+                return None;
+            }
+            let run = match repr {
+                Repr::Contiguous(s) => s.get(pos..end)?,
+                Repr::Pages {
+                    pages,
+                    page_entries,
+                } => {
+                    let page = pages.get(pos / page_entries)?;
+                    let off = pos % page_entries;
+                    let n = (page.len().saturating_sub(off)).min(end - pos);
+                    page.get(off..off + n)?
+                }
+            };
+            if run.is_empty() {
+                return None;
+            }
+            let start = pos;
+            pos += run.len();
+            Some((start, run))
+        })
+    }
+}
+
+/// Checks a thread count: at least one.
+fn thread_count(threads: usize) -> usize {
+    threads.max(1)
+}
+
+/// `level` checked against the CPU, or the detected level.
+fn verified(level: Option<SimdLevel>) -> Result<crate::level::Verified, AttnError> {
+    match level {
+        None => Ok(crate::level::Verified::detected()),
+        Some(l) => Ok(crate::level::Verified::new(l)?),
+    }
+}
+
+#[cfg(test)]
+mod tests;

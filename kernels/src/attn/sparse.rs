@@ -1,0 +1,246 @@
+//! Sparse attention of one decode token over window (FP8) and selected global (FP4) entries
+//! (spec §4, core attention).
+
+use kvstack_firmware_interface::{GlobalFp4Entry, WindowFp8Entry};
+
+use super::{AttnError, HEAD_DIM, Paged, thread_count, verified};
+use crate::SimdLevel;
+use crate::level::Verified;
+
+/// The inputs of [`sparse_attention_decode`] for one token at one layer.
+#[derive(Clone, Copy, Debug)]
+pub struct SparseAttnInput<'a> {
+    /// Query heads, post-RoPE, never quantized (64 in the real model; any count >= 1).
+    pub q: &'a [[f32; HEAD_DIM]],
+    /// One sink logit per head, or `None` for no sink.
+    pub sinks: Option<&'a [f32]>,
+    /// The window entries, as runs in any order (a ring buffer gives one or two runs).
+    pub window: &'a [&'a [WindowFp8Entry]],
+    /// The global (compressed) entries the selection refers to.
+    pub global: Paged<'a, GlobalFp4Entry>,
+    /// Selected global positions (the top-k); negative slots (`-1`) are skipped. Duplicates
+    /// are attended twice, as given.
+    pub selected: &'a [i32],
+}
+
+/// One attended entry.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum KvRow<'a> {
+    /// A window entry.
+    Fp8(&'a WindowFp8Entry),
+    /// A global entry.
+    Fp4(&'a GlobalFp4Entry),
+}
+
+impl KvRow<'_> {
+    /// Address and length of the entry's bytes (for prefetching).
+    pub(crate) fn bytes(&self) -> (*const u8, usize) {
+        match self {
+            KvRow::Fp8(e) => ((*e as *const WindowFp8Entry).cast(), WindowFp8Entry::BYTES),
+            KvRow::Fp4(e) => ((*e as *const GlobalFp4Entry).cast(), GlobalFp4Entry::BYTES),
+        }
+    }
+}
+
+/// A thread's softmax state over its share of the entries, for `hp` (padded) heads: running
+/// maximum of the scaled logits `m`, denominator `l` (relative to `m`) and unnormalized output
+/// `o` (`hp x 512`, relative to `m`).
+pub(crate) struct Partial {
+    pub(crate) m: Vec<f32>,
+    pub(crate) l: Vec<f32>,
+    pub(crate) o: Vec<super::tile::V8>,
+}
+
+impl Partial {
+    pub(crate) fn new(hp: usize) -> Self {
+        Partial {
+            m: vec![f32::NEG_INFINITY; hp],
+            l: vec![0.0; hp],
+            o: super::tile::zeroed(hp * HEAD_DIM),
+        }
+    }
+}
+
+/// `512^-0.5 = 2^-4.5`, the logit scale (spec §4), correctly rounded to f32 (`1/sqrt(2)`
+/// rounded, then an exact division by 16).
+pub(crate) const LOGIT_SCALE: f32 = std::f32::consts::FRAC_1_SQRT_2 / 16.0;
+
+/// Single-head sparse attention for one decode token: for every head `h`,
+/// `out[h] = sum_j p_j v_j` with `p = softmax([q_h . k_j * 512^-0.5 for j] ++ [sink_h])`
+/// restricted to the entries (the sink column has value zero), `V = K`, over the window
+/// entries and the selected global entries. With no entries and no sink the output is zero.
+///
+/// `threads` (>= 1) threads split the entries and merge their partial softmax states; the
+/// result depends on the thread count only through f32 rounding (see the module tests for the
+/// error bound against an f64 reference).
+///
+/// # Errors
+///
+/// [`AttnError::LengthMismatch`] if `out` or the sinks do not have one row or value per head;
+/// [`AttnError::PositionOutOfRange`] for a selected position past the global entries.
+pub fn sparse_attention_decode(
+    input: &SparseAttnInput<'_>,
+    threads: usize,
+    out: &mut [[f32; HEAD_DIM]],
+) -> Result<(), AttnError> {
+    decode(Verified::detected(), input, threads, out)
+}
+
+/// [`sparse_attention_decode`] on a given level.
+///
+/// # Errors
+///
+/// As [`sparse_attention_decode`], plus [`AttnError::Level`].
+pub fn sparse_attention_decode_with(
+    level: SimdLevel,
+    input: &SparseAttnInput<'_>,
+    threads: usize,
+    out: &mut [[f32; HEAD_DIM]],
+) -> Result<(), AttnError> {
+    decode(verified(Some(level))?, input, threads, out)
+}
+
+/// Resolves the attended rows: the window runs in order, then the selected global entries.
+pub(crate) fn gather_rows<'a>(input: &SparseAttnInput<'a>) -> Result<Vec<KvRow<'a>>, AttnError> {
+    let nw: usize = input.window.iter().map(|r| r.len()).sum();
+    let mut rows = Vec::with_capacity(nw + input.selected.len());
+    for run in input.window {
+        rows.extend(run.iter().map(KvRow::Fp8));
+    }
+    for &p in input.selected {
+        let Ok(pos) = usize::try_from(p) else {
+            continue;
+        };
+        let e = input.global.get(pos).ok_or(AttnError::PositionOutOfRange {
+            what: "selected global entries",
+            position: i64::from(p),
+            len: input.global.len(),
+        })?;
+        rows.push(KvRow::Fp4(e));
+    }
+    Ok(rows)
+}
+
+pub(crate) fn decode(
+    level: Verified,
+    input: &SparseAttnInput<'_>,
+    threads: usize,
+    out: &mut [[f32; HEAD_DIM]],
+) -> Result<(), AttnError> {
+    let heads = input.q.len();
+    if out.len() != heads {
+        return Err(AttnError::LengthMismatch {
+            what: "attention output rows (one per query head)",
+            expected: heads,
+            actual: out.len(),
+        });
+    }
+    if let Some(s) = input.sinks
+        && s.len() != heads
+    {
+        return Err(AttnError::LengthMismatch {
+            what: "sink logits (one per query head)",
+            expected: heads,
+            actual: s.len(),
+        });
+    }
+    let rows = gather_rows(input)?;
+    let prep = Prep::new(level, input.q);
+    // Fewer than a few tiles per thread is not worth a thread.
+    let t = thread_count(threads).min(rows.len().div_ceil(MIN_ROWS_PER_THREAD).max(1));
+    let chunk = rows.len().div_ceil(t).max(1);
+    let mut parts: Vec<Partial> = Vec::with_capacity(t);
+    std::thread::scope(|s| {
+        let mut chunks = rows.chunks(chunk);
+        let first = chunks.next();
+        let handles: Vec<_> = chunks
+            .map(|c| {
+                let prep = &prep;
+                s.spawn(move || attend(level, prep, c))
+            })
+            .collect();
+        parts.push(match first {
+            Some(c) => attend(level, &prep, c),
+            None => Partial::new(prep.hp),
+        });
+        for h in handles {
+            // A worker only panics on a bug; the state it leaves is then unknown, so it is
+            // replaced by an empty one and the panic resumed by the scope.
+            parts.push(h.join().unwrap_or_else(|_| Partial::new(prep.hp)));
+        }
+    });
+    merge(&parts, input.sinks, out);
+    Ok(())
+}
+
+/// Fewer rows than this per thread run on fewer threads.
+const MIN_ROWS_PER_THREAD: usize = 96;
+
+/// Queries prepared for a level: the AVX2 kernels read them transposed (`qt[d][h]`, heads
+/// padded to a multiple of 16 with zeros), the portable path as given.
+pub(crate) struct Prep<'a> {
+    pub(crate) q: &'a [[f32; HEAD_DIM]],
+    pub(crate) hp: usize,
+    pub(crate) qt: Vec<super::tile::V8>,
+}
+
+impl<'a> Prep<'a> {
+    fn new(level: Verified, q: &'a [[f32; HEAD_DIM]]) -> Self {
+        let hp = q.len().next_multiple_of(16);
+        let qt = match level.level() {
+            SimdLevel::Avx2 => super::tile::transpose_q(q, hp),
+            _ => Vec::new(),
+        };
+        Prep { q, hp, qt }
+    }
+}
+
+/// One thread's share: its rows into a fresh partial state.
+fn attend(level: Verified, prep: &Prep<'_>, rows: &[KvRow<'_>]) -> Partial {
+    let mut st = Partial::new(prep.hp);
+    match level.level() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `level` is `Verified` as AVX2, so this CPU has AVX2 and FMA.
+        SimdLevel::Avx2 => unsafe { super::avx2::attend(prep, rows, &mut st) },
+        _ => super::portable::attend(prep.q, rows, &mut st),
+    }
+    st
+}
+
+/// Combines the partial states and the sinks: with `M = max(m_t, sink)`,
+/// `out = sum_t e^(m_t - M) o_t / (sum_t e^(m_t - M) l_t + e^(sink - M))`.
+fn merge(parts: &[Partial], sinks: Option<&[f32]>, out: &mut [[f32; HEAD_DIM]]) {
+    for (h, row) in out.iter_mut().enumerate() {
+        let sink = sinks.and_then(|s| s.get(h)).copied();
+        let mut m = sink.unwrap_or(f32::NEG_INFINITY);
+        for p in parts {
+            m = m.max(p.m.get(h).copied().unwrap_or(f32::NEG_INFINITY));
+        }
+        row.fill(0.0);
+        if m == f32::NEG_INFINITY {
+            // No entries and no sink: nothing to attend.
+            continue;
+        }
+        let mut den = sink.map_or(0.0, |s| (s - m).exp());
+        for p in parts {
+            let (Some(&mt), Some(&lt)) = (p.m.get(h), p.l.get(h)) else {
+                continue;
+            };
+            if mt == f32::NEG_INFINITY {
+                continue;
+            }
+            let a = (mt - m).exp();
+            den += a * lt;
+            let o = super::tile::flat(&p.o)
+                .get(h * HEAD_DIM..(h + 1) * HEAD_DIM)
+                .unwrap_or_default();
+            for (r, &v) in row.iter_mut().zip(o) {
+                *r += a * v;
+            }
+        }
+        let inv = 1.0 / den;
+        for r in row.iter_mut() {
+            *r *= inv;
+        }
+    }
+}

@@ -1,0 +1,446 @@
+//! Fast kernels against the scalar references of [`super::reference`].
+
+use kvstack_firmware_interface::{EntryFormat, GlobalFp4Entry, IndexMxfp4Entry, WindowFp8Entry};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use zerocopy::IntoBytes;
+
+use super::reference::*;
+use super::*;
+use crate::available_levels;
+
+/// Roughly normal values (sum of four uniforms), times `scale`.
+fn normal(r: &mut StdRng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n)
+        .map(|_| (0..4).map(|_| r.random::<f32>() - 0.5).sum::<f32>() * scale)
+        .collect()
+}
+
+fn quantize_rows<E: zerocopy::FromBytes + IntoBytes + Clone>(
+    format: EntryFormat,
+    x: &[f32],
+) -> Vec<E> {
+    let n = x.len() / format.dim();
+    let mut v = vec![E::new_zeroed(); n];
+    crate::quantize(format, x, v.as_mut_bytes()).unwrap();
+    v
+}
+
+fn index_query(r: &mut StdRng) -> IndexQuery {
+    let q = normal(r, INDEX_HEADS * INDEX_DIM, 2.0);
+    let w: [f32; 32] = std::array::from_fn(|_| r.random::<f32>() - 0.3);
+    IndexQuery::from_f32(&q, &w).unwrap()
+}
+
+fn keys(r: &mut StdRng, n: usize) -> Vec<IndexMxfp4Entry> {
+    // Per-key magnitudes vary by a factor 4, like RMS-normed keys with RoPE.
+    let mut x = Vec::with_capacity(n * INDEX_DIM);
+    for _ in 0..n {
+        let s = 0.5 + 1.5 * r.random::<f32>();
+        x.extend(normal(r, INDEX_DIM, s));
+    }
+    quantize_rows(EntryFormat::IndexMxfp4, &x)
+}
+
+#[test]
+fn indexer_scan_is_bit_identical_to_the_reference() {
+    let mut r = StdRng::seed_from_u64(7);
+    let q = index_query(&mut r);
+    assert!(q.has_fast_path());
+    let n = 3001;
+    let ks = keys(&mut r, n);
+    let visible = 2990;
+    let want = indexer_scores_ref(q.heads(), q.weights(), &ks, visible);
+    // Pages of 64 (the last partial), and one contiguous run.
+    let pages: Vec<&[IndexMxfp4Entry]> = ks.chunks(64).collect();
+    let paged = Paged::pages(&pages, 64).unwrap();
+    for level in available_levels() {
+        for threads in [1, 2, 3] {
+            for keys in [paged, Paged::contiguous(&ks)] {
+                let mut got = vec![0f32; n];
+                indexer_scores_with(level, &q, keys, visible, threads, &mut got).unwrap();
+                for (s, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert_eq!(
+                        g.to_bits(),
+                        w.to_bits(),
+                        "{level} t{threads} s{s}: {g} vs {w}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn realistic_keys_take_the_integer_kernel() {
+    if !crate::SimdLevel::Avx2.is_available() {
+        return;
+    }
+    let mut r = StdRng::seed_from_u64(15);
+    for _ in 0..4 {
+        let q = index_query(&mut r);
+        let ks = keys(&mut r, 800);
+        for t in ks.as_chunks::<8>().0 {
+            // SAFETY: AVX2 and FMA were detected above.
+            let ok = unsafe { super::avx2::tile_accepted(&q, &t.each_ref()) };
+            assert!(
+                ok,
+                "scales {:?}",
+                t.iter().map(|k| k.scales).collect::<Vec<_>>()
+            );
+        }
+    }
+}
+
+#[test]
+fn indexer_exotic_scales_take_the_exact_path() {
+    let mut r = StdRng::seed_from_u64(8);
+    let q = index_query(&mut r);
+    let mut ks = keys(&mut r, 200);
+    // An all-zero block (tiny scale), a huge block, a NaN scale, and a wide exponent spread.
+    for v in &mut ks[3].values[..16] {
+        *v = 0;
+    }
+    ks[3].scales[0] = 1;
+    ks[17].scales[2] = 250;
+    ks[40].scales[1] = 255;
+    ks[77].scales[0] = ks[77].scales[3] - 12;
+    let want = indexer_scores_ref(q.heads(), q.weights(), &ks, ks.len());
+    for level in available_levels() {
+        let mut got = vec![0f32; ks.len()];
+        indexer_scores_with(level, &q, Paged::contiguous(&ks), ks.len(), 1, &mut got).unwrap();
+        for (s, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
+                "{level} s{s}: {g} vs {w}"
+            );
+        }
+    }
+}
+
+#[test]
+fn indexer_candidates_match_the_scan() {
+    let mut r = StdRng::seed_from_u64(9);
+    let q = index_query(&mut r);
+    let ks = keys(&mut r, 1000);
+    let visible = 990;
+    let full = indexer_scores_ref(q.heads(), q.weights(), &ks, visible);
+    let mut positions: Vec<i32> = (0..1200).step_by(3).collect();
+    positions.push(-1);
+    let pages: Vec<&[IndexMxfp4Entry]> = ks.chunks(100).collect();
+    let paged = Paged::pages(&pages, 100).unwrap();
+    for level in available_levels() {
+        for threads in [1, 2] {
+            let mut got = vec![0f32; positions.len()];
+            let res =
+                indexer_scores_at_with(level, &q, paged, visible, &positions, threads, &mut got);
+            res.unwrap();
+            for (&p, g) in positions.iter().zip(&got) {
+                let w = usize::try_from(p)
+                    .ok()
+                    .and_then(|p| full.get(p))
+                    .copied()
+                    .unwrap_or(f32::NEG_INFINITY);
+                assert_eq!(g.to_bits(), w.to_bits(), "{level} position {p}");
+            }
+        }
+    }
+}
+
+#[test]
+fn indexer_argument_errors() {
+    let mut r = StdRng::seed_from_u64(10);
+    let q = index_query(&mut r);
+    let ks = keys(&mut r, 10);
+    let mut out = vec![0f32; 9];
+    assert!(matches!(
+        indexer_scores(&q, Paged::contiguous(&ks), 10, 1, &mut out),
+        Err(AttnError::LengthMismatch { .. })
+    ));
+    let mut out = vec![0f32; 10];
+    assert!(matches!(
+        indexer_scores(&q, Paged::contiguous(&ks), 11, 1, &mut out),
+        Err(AttnError::PositionOutOfRange { .. })
+    ));
+    let pages: Vec<&[IndexMxfp4Entry]> = vec![&ks[..3], &ks[3..]];
+    assert!(matches!(
+        Paged::pages(&pages, 3),
+        Err(AttnError::PageLayout { page: 1, .. })
+    ));
+}
+
+#[test]
+fn topk_and_candidates_match_the_references() {
+    let mut r = StdRng::seed_from_u64(11);
+    for (n, k, visible) in [
+        (5000, 512, 5000),
+        (20000, 512, 19_993),
+        (300, 512, 250),
+        (1, 4, 1),
+    ] {
+        let mut s: Vec<f32> = (0..n).map(|_| r.random::<f32>() * 100.0 - 50.0).collect();
+        for v in s.iter_mut().skip(visible) {
+            *v = f32::NEG_INFINITY;
+        }
+        // Some unselectable scores and exact ties.
+        if n > 100 {
+            s[7] = f32::NAN;
+            s[50] = s[60];
+        }
+        let mut out = vec![0i32; k];
+        topk(&s, &mut out).unwrap();
+        assert_eq!(out, topk_ref(&s, k), "n {n}");
+        for blocks in [1, 64, 2048] {
+            let c = candidate_blocks(&s, visible, blocks, 8).unwrap();
+            assert_eq!(
+                c,
+                candidate_blocks_ref(&s, visible, blocks, 8),
+                "n {n} blocks {blocks}"
+            );
+        }
+        let positions: Vec<i32> = (0..s.len() as i32).collect();
+        let mut out2 = vec![0i32; k];
+        topk_positions(&s, &positions, &mut out2).unwrap();
+        assert_eq!(out2, out);
+    }
+}
+
+/// A window of FP8 entries and a global cache of FP4 entries, with random selections.
+struct AttnData {
+    q: Vec<[f32; HEAD_DIM]>,
+    sinks: Vec<f32>,
+    window: Vec<WindowFp8Entry>,
+    global: Vec<GlobalFp4Entry>,
+}
+
+fn attn_data(r: &mut StdRng, heads: usize, nw: usize, ng: usize) -> AttnData {
+    let qf = normal(r, heads * HEAD_DIM, 2.0);
+    let q = qf
+        .chunks_exact(HEAD_DIM)
+        .map(|c| <[f32; HEAD_DIM]>::try_from(c).unwrap())
+        .collect();
+    let sinks = (0..heads).map(|_| r.random::<f32>() * 4.0 - 2.0).collect();
+    let window = quantize_rows(EntryFormat::WindowFp8, &normal(r, nw * HEAD_DIM, 1.5));
+    let global = quantize_rows(EntryFormat::GlobalFp4, &normal(r, ng * HEAD_DIM, 1.5));
+    AttnData {
+        q,
+        sinks,
+        window,
+        global,
+    }
+}
+
+/// Largest `|got - want|` over all outputs, relative to the largest `|want|` of the head.
+fn max_rel_err(got: &[[f32; HEAD_DIM]], want: &[[f64; HEAD_DIM]]) -> f64 {
+    let mut worst = 0f64;
+    for (g, w) in got.iter().zip(want) {
+        let scale = w.iter().fold(1e-30f64, |m, x| m.max(x.abs()));
+        for (a, b) in g.iter().zip(w) {
+            worst = worst.max((f64::from(*a) - b).abs() / scale);
+        }
+    }
+    worst
+}
+
+/// Tolerance of the f32 kernels against the f64 reference, relative to the largest output
+/// magnitude of a head. Sources: f32 logits over 512 products (relative ~1e-6 of the logit's
+/// absolute terms), the exp polynomial (~1e-7) and f32 sums over up to a few thousand rows.
+/// Observed errors are around 1e-6; the bound leaves a margin of about 20.
+const ATTN_TOL: f64 = 2e-5;
+
+#[test]
+fn sparse_attention_matches_the_f64_reference() {
+    let mut r = StdRng::seed_from_u64(12);
+    let d = attn_data(&mut r, 64, 128, 4000);
+    let mut sel: Vec<i32> = (0..512).map(|_| r.random_range(0..4000)).collect();
+    sel[5] = -1;
+    sel[300] = -1;
+    let pages: Vec<&[GlobalFp4Entry]> = d.global.chunks(256).collect();
+    // The window as a wrapped ring: two runs.
+    let runs = [&d.window[100..], &d.window[..100]];
+    let input = SparseAttnInput {
+        q: &d.q,
+        sinks: Some(&d.sinks),
+        window: &runs,
+        global: Paged::pages(&pages, 256).unwrap(),
+        selected: &sel,
+    };
+    let want = sparse_attention_ref(&input).unwrap();
+    for level in available_levels() {
+        for threads in [1, 2, 3] {
+            let mut got = vec![[0f32; HEAD_DIM]; 64];
+            sparse_attention_decode_with(level, &input, threads, &mut got).unwrap();
+            let err = max_rel_err(&got, &want);
+            eprintln!("ERR {level} t{threads}: {err:e}");
+            assert!(err < ATTN_TOL, "{level} t{threads}: {err:e}");
+        }
+    }
+}
+
+#[test]
+fn sparse_attention_edge_cases() {
+    let mut r = StdRng::seed_from_u64(13);
+    // Head count not a multiple of 16, tiny and odd row counts, no sinks, large logits.
+    for (heads, nw, nsel, sinks, qscale) in [
+        (5, 3, 0, false, 1.0),
+        (17, 0, 7, true, 1.0),
+        (64, 1, 1, true, 1.0),
+        (64, 128, 512, false, 20.0),
+        (3, 0, 0, true, 1.0),
+        (3, 0, 0, false, 1.0),
+    ] {
+        let mut d = attn_data(&mut r, heads, nw.max(1), 600);
+        for q in &mut d.q {
+            for x in q.iter_mut() {
+                *x *= qscale;
+            }
+        }
+        let sel: Vec<i32> = (0..nsel).map(|_| r.random_range(0..600)).collect();
+        let runs = [&d.window[..nw]];
+        let input = SparseAttnInput {
+            q: &d.q,
+            sinks: sinks.then_some(&d.sinks[..]),
+            window: &runs,
+            global: Paged::contiguous(&d.global),
+            selected: &sel,
+        };
+        let want = sparse_attention_ref(&input).unwrap();
+        for level in available_levels() {
+            for threads in [1, 2] {
+                let mut got = vec![[1f32; HEAD_DIM]; heads];
+                sparse_attention_decode_with(level, &input, threads, &mut got).unwrap();
+                let err = max_rel_err(&got, &want);
+                assert!(err < ATTN_TOL, "{level} h{heads} w{nw} s{nsel}: {err:e}");
+                if nw + nsel == 0 {
+                    assert!(got.iter().all(|row| row.iter().all(|&x| x == 0.0)));
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn sparse_attention_argument_errors() {
+    let mut r = StdRng::seed_from_u64(14);
+    let d = attn_data(&mut r, 4, 2, 10);
+    let runs = [&d.window[..]];
+    let sel = [3, 10];
+    let input = SparseAttnInput {
+        q: &d.q,
+        sinks: None,
+        window: &runs,
+        global: Paged::contiguous(&d.global),
+        selected: &sel,
+    };
+    let mut out = vec![[0f32; HEAD_DIM]; 4];
+    assert!(matches!(
+        sparse_attention_decode(&input, 1, &mut out),
+        Err(AttnError::PositionOutOfRange { position: 10, .. })
+    ));
+    let input = SparseAttnInput {
+        selected: &[],
+        sinks: Some(&d.sinks[..3]),
+        ..input
+    };
+    assert!(matches!(
+        sparse_attention_decode(&input, 1, &mut out),
+        Err(AttnError::LengthMismatch { .. })
+    ));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Agreement with the CSA2 chain of `crate::csa2` (the runtime's building blocks).
+
+#[test]
+fn index_scores_equal_the_csa2_chain() {
+    use kvstack_firmware_interface::rows::RowLayout;
+    let mut r = StdRng::seed_from_u64(21);
+    let q = index_query(&mut r);
+    let ks = keys(&mut r, 600);
+    let layout = RowLayout::new(EntryFormat::IndexMxfp4, INDEX_DIM).unwrap();
+    let chain =
+        crate::csa2::indexer::IndexQuery::new(layout, q.heads().as_bytes(), q.weights()).unwrap();
+    let mut got = vec![0f32; ks.len()];
+    indexer_scores(&q, Paged::contiguous(&ks), ks.len(), 2, &mut got).unwrap();
+    for (s, (k, g)) in ks.iter().zip(&got).enumerate() {
+        let want = chain.score(k.as_bytes()).unwrap();
+        assert_eq!(g.to_bits(), want.to_bits(), "key {s}: {g} vs {want}");
+    }
+}
+
+#[test]
+fn selection_equals_the_csa2_chain() {
+    use crate::csa2::candidates::{CandidateParams, candidate_pool};
+    let mut r = StdRng::seed_from_u64(22);
+    for (n, visible) in [(40_000usize, 39_990usize), (3000, 3000), (100, 37)] {
+        let mut s: Vec<f32> = (0..n).map(|_| r.random::<f32>() * 10.0 - 5.0).collect();
+        for v in s.iter_mut().skip(visible) {
+            *v = f32::NEG_INFINITY;
+        }
+        // Ties, signed zeros, NaN and an overflowed score.
+        if n > 1000 {
+            s[10] = s[20];
+            s[30] = 0.0;
+            s[31] = -0.0;
+            s[40] = f32::NAN;
+            s[50] = f32::INFINITY;
+        }
+        for k in [1, 512, 5000] {
+            let mut mine = vec![0i32; k];
+            topk(&s, &mut mine).unwrap();
+            let mut theirs = vec![0i32; k];
+            crate::csa2::topk::topk(&s, k, &mut theirs).unwrap();
+            assert_eq!(mine, theirs, "n {n} k {k}");
+        }
+        for top_blocks in [4, 2048] {
+            let params = CandidateParams {
+                block: 8,
+                top_blocks,
+            };
+            let (mut bs, mut theirs) = (Vec::new(), Vec::new());
+            candidate_pool(&s, visible, params, &mut bs, &mut theirs).unwrap();
+            let mine = candidate_blocks(&s, visible, top_blocks, 8).unwrap();
+            let theirs: Vec<i32> = theirs.iter().map(|&p| p as i32).collect();
+            assert_eq!(mine, theirs, "n {n} blocks {top_blocks}");
+        }
+    }
+}
+
+#[test]
+fn sparse_attention_agrees_with_the_csa2_chain() {
+    use crate::csa2::attention::{AttentionShape, KeyRow, sparse_attention_ref as chain_ref};
+    let mut r = StdRng::seed_from_u64(23);
+    let d = attn_data(&mut r, 64, 128, 1000);
+    let sel: Vec<i32> = (0..512).map(|_| r.random_range(0..1000)).collect();
+    let runs = [&d.window[..]];
+    let input = SparseAttnInput {
+        q: &d.q,
+        sinks: Some(&d.sinks),
+        window: &runs,
+        global: Paged::contiguous(&d.global),
+        selected: &sel,
+    };
+    let mut got = vec![[0f32; HEAD_DIM]; 64];
+    sparse_attention_decode(&input, 2, &mut got).unwrap();
+    let shape = AttentionShape::new(64, HEAD_DIM).unwrap();
+    assert_eq!(shape.scale, super::sparse::LOGIT_SCALE);
+    let mut keys_rows: Vec<KeyRow<'_>> = d
+        .window
+        .iter()
+        .map(|e| KeyRow::Window(e.as_bytes()))
+        .collect();
+    keys_rows.extend(
+        sel.iter()
+            .map(|&p| KeyRow::Compressed(d.global[p as usize].as_bytes())),
+    );
+    let q: Vec<f32> = d.q.iter().flatten().copied().collect();
+    let mut theirs = vec![0f32; 64 * HEAD_DIM];
+    chain_ref(&shape, &q, &d.sinks, &keys_rows, &mut theirs).unwrap();
+    let want: Vec<[f64; HEAD_DIM]> = theirs
+        .chunks_exact(HEAD_DIM)
+        .map(|c| std::array::from_fn(|i| f64::from(c[i])))
+        .collect();
+    let err = max_rel_err(&got, &want);
+    assert!(err < ATTN_TOL, "{err:e}");
+}

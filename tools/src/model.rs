@@ -1,0 +1,154 @@
+//! `kvstack model init` (a seeded random checkpoint of any valid V4.1 config) and `kvstack
+//! verify model` (the whole forward pass against a reference dump).
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use clap::{Args, Subcommand};
+use kvstack_runtime::config::ModelConfig;
+use kvstack_runtime::model::init::write_checkpoint;
+use kvstack_runtime::model::verify::verify_model;
+
+use crate::error::CliError;
+
+/// `kvstack model ...`.
+#[derive(Subcommand)]
+pub enum ModelOp {
+    /// Write a seeded random checkpoint of a config, in the released tensor naming and storage
+    /// (FP8 E4M3 attention/shared-expert linears with UE8M0 128x128 block scales, packed FP4
+    /// routed experts with per-row 32-column scales, BF16 embedding/head, F32 the rest).
+    Init(InitArgs),
+}
+
+/// Arguments of `kvstack model init`.
+#[derive(Args)]
+pub struct InitArgs {
+    /// Model config (`config.json`); `builtin-tiny` for the embedded tiny V4.1 model.
+    #[arg(long)]
+    config: String,
+    /// Output safetensors file.
+    #[arg(long)]
+    out: PathBuf,
+    /// Seed of the weights.
+    #[arg(long, default_value_t = 4101)]
+    seed: u64,
+}
+
+/// Arguments of `kvstack verify model`.
+#[derive(Args)]
+pub struct VerifyModelArgs {
+    /// Model config (`config.json`).
+    #[arg(long)]
+    config: PathBuf,
+    /// Weights (safetensors; released or NeMo naming; F32/BF16/FP8/FP4 storage).
+    #[arg(long)]
+    weights: PathBuf,
+    /// Reference dump (`input_ids`, `logits`, `final_hidden`, `layers.{l}.*`).
+    #[arg(long)]
+    vectors: PathBuf,
+    /// Relative tolerance of f32 tensors (to the tensor's largest magnitude).
+    #[arg(long, default_value_t = 1e-4)]
+    rel_tol: f64,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+fn config(name: &str) -> Result<ModelConfig, CliError> {
+    if name == "builtin-tiny" {
+        return kvstack_runtime::builtin::tiny_config().map_err(CliError::Runtime);
+    }
+    ModelConfig::from_file(name).map_err(CliError::Runtime)
+}
+
+/// Runs `kvstack model <op>`.
+pub fn run(op: &ModelOp) -> Result<(), CliError> {
+    match op {
+        ModelOp::Init(a) => {
+            let cfg = config(&a.config)?;
+            let s = write_checkpoint(&cfg, a.seed, &a.out).map_err(CliError::Model)?;
+            let mut out = std::io::stdout().lock();
+            writeln!(
+                out,
+                "wrote {}: {} tensors, {} parameters, {} bytes of tensor data (seed {})",
+                a.out.display(),
+                s.tensors,
+                s.parameters,
+                s.bytes,
+                a.seed
+            )
+            .map_err(CliError::Stdout)
+        }
+    }
+}
+
+/// Runs `kvstack verify model`; fails (exit 1) when a comparison is out of tolerance.
+pub fn verify(a: &VerifyModelArgs) -> Result<(), CliError> {
+    let r = verify_model(&a.config, &a.weights, &a.vectors, a.rel_tol).map_err(CliError::Model)?;
+    let mut out = std::io::stdout().lock();
+    let w = |out: &mut std::io::StdoutLock<'_>, s: String| {
+        writeln!(out, "{s}").map_err(CliError::Stdout)
+    };
+    if a.json {
+        let text = serde_json::to_string_pretty(&r).map_err(CliError::Json)?;
+        w(&mut out, text)?;
+    } else {
+        w(
+            &mut out,
+            format!(
+                "{} tokens, {} layers, {} naming; f32 tolerance {:.0e} of the tensor's largest magnitude (per-row figure also shown); selections exact",
+                r.tokens, r.layers, r.naming, r.rel_tol
+            ),
+        )?;
+        w(
+            &mut out,
+            format!(
+                "{:<8} {:<28} {:<9} {:>6} {:>10} {:>10} {:>6}  ok",
+                "pass", "tensor", "kind", "rows", "rel", "row rel", "mism"
+            ),
+        )?;
+        for t in &r.tensors {
+            w(
+                &mut out,
+                format!(
+                    "{:<8} {:<28} {:<9} {:>6} {:>10.3e} {:>10.3e} {:>6}  {}",
+                    t.pass,
+                    t.name,
+                    t.kind,
+                    t.rows,
+                    t.max_rel,
+                    t.row_rel,
+                    t.mismatches,
+                    if t.passed { "yes" } else { "NO" }
+                ),
+            )?;
+        }
+        for s in &r.skipped {
+            w(
+                &mut out,
+                format!("note: {s}: not compared (absent on one side)"),
+            )?;
+        }
+        let failed = r.tensors.iter().filter(|t| !t.passed).count();
+        w(
+            &mut out,
+            format!(
+                "{}: {} of {} comparisons within tolerance; worst {:.3e}; greedy top-1 {}/{}",
+                if failed == 0 { "PASS" } else { "FAIL" },
+                r.tensors.len() - failed,
+                r.tensors.len(),
+                r.worst(),
+                r.greedy_agreement,
+                r.tokens
+            ),
+        )?;
+    }
+    let failed = r.tensors.iter().filter(|t| !t.passed).count();
+    if failed > 0 {
+        return Err(CliError::ModelVerifyFailed {
+            failed,
+            total: r.tensors.len(),
+        });
+    }
+    Ok(())
+}
