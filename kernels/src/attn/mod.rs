@@ -2,8 +2,9 @@
 //! hierarchical candidate pool and the sparse attention over window (FP8) and selected global
 //! (FP4) entries, at the real V4.1-Flash dimensions (64 query heads x 512, indexer 32 x 128).
 //!
-//! Every fast kernel has a plain scalar reference in [`reference`] that the tests compare it
-//! with, and a `_with(level, ..)` form that forces a [`SimdLevel`].
+//! Every fast kernel has a plain scalar reference in [`mod@reference`] that the tests compare it
+//! with; the scoring and attention entry points have a `_with(level, ..)` form that forces a
+//! [`SimdLevel`] (selection picks its level itself; its result does not depend on it).
 //!
 //! # Indexer ([`indexer_scores`], [`indexer_scores_at`])
 //!
@@ -13,13 +14,13 @@
 //! are rounded to f32 and summed in f32 in head order starting from the first head's term
 //! (`s = T_0; s = s + T_h`, the order the public reference's recorded scores have). The fast
 //! path therefore returns exactly the scores of [`reference::indexer_scores_ref`] (and of
-//! `csa2::IndexQuery::score`), on every level and for every thread count.
+//! `csa2::indexer::IndexQuery::score`), on every level and for every thread count.
 //!
-//! The AVX2 path multiplies `2 * e2m1` values as 8-bit integers (`vpmaddubsw`, 32 products per
-//! instruction, exact; the 32 heads in the lanes, each key group broadcast), and applies the power-of-two block scales in
-//! f32 where that is provably exact; a tile of keys whose scale exponents fall outside that
-//! window (never for real activations) takes the f64 path of the reference instead. See
-//! [`IndexQuery`].
+//! The AVX2 path multiplies `2 * e2m1` values as 8-bit integers (`vpmaddubsw`, 32 products
+//! per instruction, exact; the 32 heads in the lanes, each key group broadcast) and applies the
+//! power-of-two block scales in f32 where that is provably exact; a tile of keys whose scale
+//! exponents fall outside that window (never for real activations) takes the f64 path of the
+//! reference instead. See [`IndexQuery`].
 //!
 //! # Selection ([`topk`], [`topk_positions`], [`candidate_blocks`])
 //!
@@ -27,7 +28,8 @@
 //! the **lower** index or position; NaN and `-inf` are never selected. The result is the set
 //! of the `k` best, written in ascending order and padded with `-1`; a selected `+inf` (only
 //! from an overflow) is written as `-1`, as the reference does with non-finite picks. This is
-//! the rule of `csa2::topk` and `csa2::candidate_pool`, and the sets are equal to theirs.
+//! the rule of `csa2::topk::topk` and `csa2::candidates::candidate_pool`, and the sets are
+//! equal to theirs.
 //!
 //! # Sparse attention ([`sparse_attention_decode`])
 //!
@@ -35,7 +37,7 @@
 //! selected FP4 entries (`-1` slots skipped), `V = K`, logits `q . k * 512^-0.5`, a per-head
 //! sink adding `exp(sink)` to the softmax denominator only. Each entry is dequantized once per
 //! thread into an f32 tile shared by all heads; register-blocked FMA micro-kernels compute the
-//! logits of 16 heads x 6 entries and the `P . V` update of 4 heads x 24 channels, with an
+//! logits of 16 heads x 6 entries and the `P . V` update of 6 heads x 16 channels, with an
 //! online (flash-style) softmax between them. Threads split the entries and merge their
 //! partial softmax states at the end.
 
@@ -122,8 +124,8 @@ pub enum AttnError {
 /// cache's block table: page `k` holds positions `[k * page_entries, (k + 1) * page_entries)`).
 ///
 /// Scans walk the pages as contiguous runs; top-k gathers find a position's page with one
-/// division. A paged cache builds one from its block table, for example
-/// `Paged::pages(&view.pages().collect::<Vec<_>>(), view.page_entries())`.
+/// division. A paged cache builds one from its block table: collect the page slices into a
+/// `Vec<&[E]>` and pass it with the page size, `Paged::pages(&pages, page_entries)`.
 pub struct Paged<'a, E> {
     repr: Repr<'a, E>,
     len: usize,

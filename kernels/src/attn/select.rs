@@ -155,7 +155,7 @@ fn block_keys(vis: &[f32], block: usize) -> Vec<u32> {
 
 /// Top-k of index scores (spec §4): the indices of the `out.len()` best selectable scores,
 /// ascending, then `-1` for the slots left when fewer are selectable. See the
-/// [module documentation](self) for the ranking and tie rule.
+/// [module documentation](super) for the ranking and tie rule.
 ///
 /// # Errors
 ///
@@ -234,7 +234,7 @@ fn write_sorted(items: Vec<u64>, out: &mut [i32]) {
 /// scores of all stored positions (`-inf` past `visible`, as [`super::indexer_scores`] writes
 /// them): block score = max of the block's `block` visible scores (NaN ignored); the block
 /// holding position `visible - 1` scores `+inf`; the best `max_blocks` blocks with a score
-/// above `-inf` are kept (ranked as the [module documentation](self) says, ties to the lower
+/// above `-inf` are kept (ranked as the [module documentation](super) says, ties to the lower
 /// block). Returns their visible positions, ascending (at most `max_blocks * block`).
 ///
 /// # Errors

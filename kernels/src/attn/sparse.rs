@@ -164,9 +164,12 @@ pub(crate) fn decode(
             None => Partial::new(prep.hp),
         });
         for h in handles {
-            // A worker only panics on a bug; the state it leaves is then unknown, so it is
-            // replaced by an empty one and the panic resumed by the scope.
-            parts.push(h.join().unwrap_or_else(|_| Partial::new(prep.hp)));
+            // A worker only panics on a bug: pass its panic on rather than merge a state that
+            // is missing entries.
+            match h.join() {
+                Ok(p) => parts.push(p),
+                Err(payload) => std::panic::resume_unwind(payload),
+            }
         }
     });
     merge(&parts, input.sinks, out);

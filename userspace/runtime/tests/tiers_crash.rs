@@ -19,7 +19,7 @@ use tiers_common::*;
 
 const CHILD_DIR: &str = "KVSTACK_TIERS_CRASH_DIR";
 const CHILD_RUN: &str = "KVSTACK_TIERS_CRASH_RUN";
-const KILLS: u32 = 24;
+const KILLS: u32 = 20;
 const UNITS_PER_RUN: u32 = 400;
 
 fn crash_opts(dir: &std::path::Path) -> kvstack_runtime::tiers::StoreOptions {
@@ -30,10 +30,16 @@ fn crash_opts(dir: &std::path::Path) -> kvstack_runtime::tiers::StoreOptions {
 }
 
 /// Tokens of unit `u` of run `run`: three families share two whole blocks across all runs
-/// (so units share blocks), then a unique tail of varying length (often a short last block).
+/// (so units share blocks), then a unique tail of varying length (often a short last block;
+/// sometimes long enough to be queued in parts).
 fn crash_tokens(run: u32, u: u32) -> Vec<u32> {
     let family = u % 3;
-    let len = 2 * P + 2 + 2 * ((run * 7 + u * 5) % (3 * P as u32)) as usize;
+    // Every tenth unit is long enough to be queued in several parts.
+    let len = if u % 10 == 9 {
+        40 * P + 6
+    } else {
+        2 * P + 2 + 2 * ((run * 7 + u * 5) % (3 * P as u32)) as usize
+    };
     let mut t = unit_tokens(100 + family, 0, 2 * P, 2 * P);
     t.extend((0..len - 2 * P).map(|i| 1_000_000 + run * 10_000 + u * 64 + i as u32));
     t
@@ -113,7 +119,7 @@ fn sigkill_at_random_points_never_loses_or_exposes_partial_units() {
             }
             std::thread::sleep(Duration::from_millis(1));
         }
-        std::thread::sleep(Duration::from_millis(rng.random_range(5..250)));
+        std::thread::sleep(Duration::from_millis(rng.random_range(5..150)));
         child.kill().unwrap(); // SIGKILL
         child.wait().unwrap();
         reader.join().unwrap();

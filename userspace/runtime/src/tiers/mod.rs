@@ -7,11 +7,11 @@
 //!   retained at least 72 hours after last use, compacted, read under leases.
 //! - [`pool`]: [`WindowPool`], window-KV snapshots in pinned DRAM (10% of RAM by default) with
 //!   a TTL and LRU eviction.
-//! - [`unit`]: [`Tiers`], the prefix units the runtime persists and looks up: building block
-//!   payloads from the paged cache, restoring them into it, the window snapshot or the bounded
-//!   replay that a global hit needs.
+//! - [`unit`](mod@unit): [`Tiers`], the prefix units the runtime persists and looks up:
+//!   building block payloads from the paged cache, restoring them into it, the window snapshot
+//!   or the bounded replay that a global hit needs.
 //! - [`clock`]: injected time, so retention and TTL rules are tested instantly.
-//! - [`bench`]: `kvstack bench tiers`.
+//! - [`bench`](mod@bench): `kvstack bench tiers`.
 //!
 //! The on-disk bytes are drawn in `docs/ssd-format.md`; the rules in `docs/tiers.md`.
 

@@ -1772,7 +1772,15 @@ impl Writer {
                     Job::Shutdown => shutdown = true,
                 }
             }
-            let mut work = self.write_batch(units);
+            // A batch of nothing but early parts of long units commits nothing: its writes
+            // stay in flight (no barrier) and are synced with the batch of their last part.
+            let settle = shutdown
+                || !flushes.is_empty()
+                || !reclaims.is_empty()
+                || units.iter().any(|r| !r.job.part);
+            let Some(mut work) = self.write_batch(units, settle) else {
+                continue;
+            };
             for tx in reclaims {
                 let r = self.reclaim_all();
                 let _ = tx.send(r);
@@ -1798,8 +1806,7 @@ impl Writer {
 
     /// Writes a batch of unit jobs: blocks, then (once all have completed) commits. Returns
     /// the work of the syncer: one sync of every file written, then publication.
-    fn write_batch(&mut self, mut runs: Vec<JobRun>) -> SyncWork {
-        self.batch_error = None;
+    fn write_batch(&mut self, mut runs: Vec<JobRun>, settle: bool) -> Option<SyncWork> {
         let poisoned = self.st().poisoned.clone();
         // Phase 1: blocks.
         for r in runs.iter_mut() {
@@ -1851,6 +1858,11 @@ impl Writer {
                     }
                 }
             }
+        }
+        if !settle {
+            // Early parts only: their blocks are in flight; failures are recorded on the
+            // blocks and in `batch_error`, both seen by the batch that commits the unit.
+            return None;
         }
         self.drain();
         // Phase 2: commits, once every block write of the batch has completed.
@@ -1932,13 +1944,13 @@ impl Writer {
             }
         }
         // Phases 3 and 4 (sync, publish, acknowledge) are the syncer's.
-        SyncWork {
+        Some(SyncWork {
             runs,
             files: std::mem::take(&mut self.dirty).into_values().collect(),
             dir: std::mem::take(&mut self.created).then(|| self.shared.opts.location.clone()),
             error: self.batch_error.take(),
             flushes: Vec::new(),
-        }
+        })
     }
 
     /// Encodes a record into a buffer, allocates its place and submits the write.
