@@ -365,23 +365,21 @@ impl<'a> Probes<'a> {
         Local { fma, int8 }
     }
 
-    /// Times `reps` runs of `op` (after one untimed warm-up), with compute probes before the
-    /// first and after the last, so that a case and its limits see the same conditions on a
-    /// busy machine. (Probing before every repetition slows short cases down: the
-    /// register-only loops leave the core in a state the next few milliseconds pay for.)
-    /// Returns the best and median times and the best probe rates.
+    /// Times `reps` runs of `op` (after one untimed warm-up), each preceded by a compute probe
+    /// so that the case and its limits see the same conditions on a busy machine. Returns the
+    /// best and median times and the best probe rates.
     fn time(&mut self, reps: usize, mut op: impl FnMut(usize)) -> ((f64, f64), Local) {
-        let mut local = self.compute();
         op(0);
+        let mut local = Local::default();
         let mut t = Vec::with_capacity(reps.max(1));
         for i in 1..=reps.max(1) {
+            let l = self.compute();
+            local.fma = local.fma.max(l.fma);
+            local.int8 = local.int8.max(l.int8);
             let s = Instant::now();
             op(i);
             t.push(s.elapsed().as_secs_f64());
         }
-        let l = self.compute();
-        local.fma = local.fma.max(l.fma);
-        local.int8 = local.int8.max(l.int8);
         (best_median(&mut t), local)
     }
 }
