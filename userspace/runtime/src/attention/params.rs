@@ -113,16 +113,26 @@ impl LayerWeights {
         spec: &LayerSpec,
     ) -> Result<LayerWeights, Error> {
         let l = spec.index;
-        let w = |param: &str, shape: &[usize]| load(file, &names.name(l, param), shape);
-        let d = dims;
-        let sink_names = [
-            names.name(l, "sinks_param.weight"),
-            names.name(l, "attn_sink"),
-        ];
-        let sink_name = sink_names
-            .iter()
-            .find(|n| file.contains(n))
-            .unwrap_or(&sink_names[0]);
+        // NeMo names the sink `sinks_param.weight`, the released checkpoint `attn_sink`.
+        let sink = ["sinks_param.weight", "attn_sink"]
+            .into_iter()
+            .find(|p| file.contains(&names.name(l, p)))
+            .unwrap_or("sinks_param.weight");
+        LayerWeights::from_loader(dims, spec, sink, |param, shape| {
+            load(file, &names.name(l, param), shape)
+        })
+    }
+
+    /// Builds one layer's weights through `w(param, shape)`, where `param` is relative to the
+    /// layer's `attn.` prefix and `sink` is the sink tensor's param name. Shared by the f32
+    /// loader here and the model loader (which dequantizes the released storage types).
+    pub(crate) fn from_loader<E>(
+        d: &AttentionDims,
+        spec: &LayerSpec,
+        sink: &str,
+        w: impl Fn(&str, &[usize]) -> Result<Vec<f32>, E>,
+    ) -> Result<LayerWeights, E> {
+        let l = spec.index;
         let compressor = if spec.mode == LayerMode::Full {
             Some(CompressorWeights {
                 wkv: w("compressor.wkv.weight", &[d.head_dim, d.hidden])?,
@@ -163,7 +173,7 @@ impl LayerWeights {
                 &[d.o_groups * d.o_lora_rank, d.group_width()],
             )?,
             wo_b: w("wo_b.weight", &[d.hidden, d.o_groups * d.o_lora_rank])?,
-            sinks: load(file, sink_name, &[d.heads])?,
+            sinks: w(sink, &[d.heads])?,
             compressor,
             indexer,
         })

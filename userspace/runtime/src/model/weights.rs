@@ -15,11 +15,8 @@
 //! Every tensor goes through [`super::load_f32`], so each may be stored as F32, BF16, FP8 E4M3
 //! with block scales, or packed FP4 with scales (spec §9).
 
-use crate::attention::{
-    AttentionDims, AttentionWeights, CompressorWeights, IndexKeyWeights, IndexerWeights,
-    LayerWeights,
-};
-use crate::plan::{LayerMode, LayerPlan, LayerSpec};
+use crate::attention::{AttentionDims, AttentionWeights, LayerWeights};
+use crate::plan::{LayerPlan, LayerSpec};
 use crate::weights::TensorFile;
 
 use super::dims::ModelDims;
@@ -160,50 +157,7 @@ fn attention_layer(
         Naming::Released => "attn_sink",
         Naming::Nemo => "sinks_param.weight",
     };
-    let compressor = if spec.mode == LayerMode::Full {
-        Some(CompressorWeights {
-            wkv: w("compressor.wkv.weight", &[d.head_dim, d.hidden])?,
-            wgate: if spec.compress_ratio >= 2 {
-                Some(w("compressor.wgate.weight", &[d.head_dim, d.hidden])?)
-            } else {
-                None
-            },
-            norm: w("compressor.norm.weight", &[d.head_dim])?,
-        })
-    } else {
-        None
-    };
-    let indexer = if spec.compress_ratio > 0 && spec.index_source == Some(l) {
-        Some(IndexerWeights {
-            wq_b: w("indexer.wq_b.weight", &[d.index_q_width(), d.q_lora_rank])?,
-            weights_proj: w("indexer.weights_proj.weight", &[d.index_heads, d.hidden])?,
-            keys: if spec.owns_index_keys() {
-                Some(IndexKeyWeights {
-                    wk: w("indexer.wk.weight", &[d.index_head_dim, d.head_dim])?,
-                    k_norm: w("indexer.k_norm.weight", &[d.index_head_dim])?,
-                })
-            } else {
-                None
-            },
-        })
-    } else {
-        None
-    };
-    Ok(LayerWeights {
-        wq_a: w("wq_a.weight", &[d.q_lora_rank, d.hidden])?,
-        q_norm: w("q_norm.weight", &[d.q_lora_rank])?,
-        wq_b: w("wq_b.weight", &[d.q_width(), d.q_lora_rank])?,
-        wkv: w("wkv.weight", &[d.head_dim, d.hidden])?,
-        kv_norm: w("kv_norm.weight", &[d.head_dim])?,
-        wo_a: w(
-            "wo_a.weight",
-            &[d.o_groups * d.o_lora_rank, d.group_width()],
-        )?,
-        wo_b: w("wo_b.weight", &[d.hidden, d.o_groups * d.o_lora_rank])?,
-        sinks: w(sink, &[d.heads])?,
-        compressor,
-        indexer,
-    })
+    LayerWeights::from_loader(d, spec, sink, w)
 }
 
 fn block(
