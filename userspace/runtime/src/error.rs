@@ -89,6 +89,41 @@ pub enum Error {
     /// cache error's own.
     #[error(transparent)]
     Cache(#[from] crate::cache::Error),
+
+    /// An error of the forward pass ([`crate::model`]), boxed (it can hold this type).
+    #[error(transparent)]
+    Model(Box<crate::model::Error>),
+
+    /// An error of the SSD store or the DRAM pool ([`crate::tiers`]), boxed likewise.
+    #[error(transparent)]
+    Tiers(Box<crate::tiers::Error>),
+
+    /// A request the engine cannot take ([`crate::engine`]).
+    #[error("session {session}: {reason}")]
+    Request {
+        /// The session it was submitted to.
+        session: u64,
+        /// What is wrong with it.
+        reason: String,
+    },
+}
+
+impl From<crate::model::Error> for Error {
+    fn from(e: crate::model::Error) -> Error {
+        Error::Model(Box::new(e))
+    }
+}
+
+impl From<crate::tiers::Error> for Error {
+    fn from(e: crate::tiers::Error) -> Error {
+        Error::Tiers(Box::new(e))
+    }
+}
+
+impl From<crate::attention::Error> for Error {
+    fn from(e: crate::attention::Error) -> Error {
+        Error::Model(Box::new(crate::model::Error::from(e)))
+    }
 }
 
 impl Error {

@@ -19,6 +19,9 @@
 //!   prefill), checkpoints in the released or NeMo naming and storage, `verify model`, seeded
 //!   random checkpoints (`docs/model.md`).
 //!
+//! - [`engine`]: the serving engine: sessions, chunked prefill, continuous batching of decode
+//!   steps, prefix reuse through the tiers with bounded replay (`docs/engine.md`).
+//!
 //! The formulas, entry layouts and numbers are written out in `docs/cache-arithmetic.md`.
 
 pub mod attention;
@@ -26,6 +29,7 @@ pub mod builtin;
 pub mod cache;
 pub mod calc;
 pub mod config;
+pub mod engine;
 mod error;
 mod frac;
 pub mod model;

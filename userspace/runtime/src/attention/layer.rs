@@ -746,6 +746,56 @@ impl Csa2Attention {
         self.forward_from(layer, store, step, x, trace, 0)
     }
 
+    /// The compressor step of KV source `layer` over the step's input `x` (positions
+    /// `store.step_start() ..`): checks that the store's compressor state ends where the step
+    /// starts, pushes the completed entries and index keys, and replaces the pending state.
+    /// In a bounded replay (spec §7) the groups of the replayed tokens are recomputed (the
+    /// compressor needs them to reach the new tokens' groups) but only entries past those the
+    /// store holds are pushed: replay never overwrites cached global KV.
+    pub fn compress_step(
+        &self,
+        layer: usize,
+        store: &mut dyn KvStore,
+        x: &[f32],
+    ) -> Result<Compressed, Error> {
+        let (spec, _, _) = self.spec(layer)?;
+        let r = u64::from(spec.compress_ratio.max(1));
+        let (p0, len) = (store.step_start(), store.len());
+        let held = store.compressed_len(layer);
+        let pending_tokens = (store.pending(layer).len() / (2 * self.dims.head_dim)) as u64;
+        if held * r + pending_tokens != len {
+            return Err(Error::State {
+                layer,
+                reason: format!(
+                    "compressor state ({held} entries + {pending_tokens} pending tokens at ratio {r}) does not end at position {len}"
+                ),
+            });
+        }
+        let c = if p0 == len {
+            self.compress(layer, x, store.pending(layer), held)?
+        } else {
+            if !p0.is_multiple_of(r) || p0 > len {
+                return Err(Error::State {
+                    layer,
+                    reason: format!(
+                        "a replay from position {p0} (of {len}) does not start a compress group of {r} tokens"
+                    ),
+                });
+            }
+            self.compress(layer, x, &[], p0 / r)?
+        };
+        let skip = usize::try_from(held.saturating_sub(c.first)).unwrap_or(usize::MAX);
+        let (eb, kb) = (
+            self.entry_codec.bytes(),
+            self.key_codec.map_or(0, |k| k.bytes()),
+        );
+        let rows = c.rows.get(skip * eb..).unwrap_or_default();
+        let keys = c.key_rows.get(skip * kb..).unwrap_or_default();
+        store.push_compressed(layer, rows, keys)?;
+        store.set_pending(layer, &c.pending)?;
+        Ok(c)
+    }
+
     /// [`Csa2Attention::forward`] with the window truncated at `window_start`: query `t`
     /// attends the window rows `[max(window_start, t - window + 1), t]` only (spec §3 CED
     /// prefill and §7 bounded replay: window rows before the replayed segment do not exist).
@@ -763,7 +813,8 @@ impl Csa2Attention {
         let d = &self.dims;
         let n = step.tokens();
         check_input(layer, "attention input [n, hidden]", n * d.hidden, x.len())?;
-        let p0 = store.len();
+        let p0 = store.step_start();
+        let window_start = window_start.max(store.window_floor());
         let positions: Vec<u64> = (p0..p0 + n as u64).collect();
 
         let ql = self.query_latent(layer, x)?;
@@ -772,21 +823,7 @@ impl Csa2Attention {
 
         let mut compressed = None;
         if spec.mode == LayerMode::Full {
-            let first = store.compressed_len(layer);
-            let r = u64::from(spec.compress_ratio);
-            let pending_tokens = (store.pending(layer).len() / (2 * d.head_dim)) as u64;
-            if first * r + pending_tokens != p0 {
-                return Err(Error::State {
-                    layer,
-                    reason: format!(
-                        "compressor state ({first} entries + {pending_tokens} pending tokens at ratio {r}) does not end at position {p0}"
-                    ),
-                });
-            }
-            let c = self.compress(layer, x, store.pending(layer), first)?;
-            store.push_compressed(layer, &c.rows, &c.key_rows)?;
-            store.set_pending(layer, &c.pending)?;
-            compressed = Some(c);
+            compressed = Some(self.compress_step(layer, store, x)?);
             // spec §4: a Full layer starts a new selection state; only the candidate source
             // publishes candidates (below).
             step.candidates = None;

@@ -30,7 +30,7 @@ mod store;
 pub use dims::AttentionDims;
 pub use error::Error;
 pub use layer::{Compressed, Csa2Attention, LayerTrace};
-pub use paged::PagedStore;
+pub use paged::{PagedStage, PagedStore, PagedView};
 pub use params::{
     AttentionWeights, CompressorWeights, IndexKeyWeights, IndexerWeights, LayerWeights,
 };

@@ -16,6 +16,13 @@
 //! layer reads rows before `len()` and writes its own new rows (`push_window`,
 //! `push_compressed`, `set_pending`); KV sources push before the layers that reuse them run,
 //! and those read the new entries in the same step; then `commit(n)`.
+//!
+//! **Bounded replay** (spec §7): after a prefix was restored with its global KV but without
+//! its window, [`KvStore::begin_replay`]`(s)` makes the next step start at `s < len()`
+//! ([`KvStore::step_start`]): it runs the replayed tokens `s .. len()` and then the new ones.
+//! The layers push window rows from `s`, but push only compressed entries past those the store
+//! already holds (replayed tokens never overwrite cached global KV), and attention never reads
+//! window rows below [`KvStore::window_floor`] (which is `s` from then on).
 
 use super::error::Error;
 
@@ -55,8 +62,33 @@ pub trait KvStore {
     /// Replaces the pending compressor projections of `source`.
     fn set_pending(&mut self, source: usize, pending: &[f32]) -> Result<(), Error>;
 
-    /// Ends a step of `tokens` tokens.
+    /// Ends a step of `tokens` tokens (counted from [`KvStore::step_start`], so a replay step
+    /// counts its replayed tokens too).
     fn commit(&mut self, tokens: u64) -> Result<(), Error>;
+
+    /// The position of the current step's first token: `len()`, or the replay start after
+    /// [`KvStore::begin_replay`] until the step commits.
+    fn step_start(&self) -> u64 {
+        self.len()
+    }
+
+    /// The lowest position whose window row exists: attention truncates every window there
+    /// (spec §7: after a replay from `s`, query `i` attends window keys `[max(s, i - w + 1), i]`).
+    fn window_floor(&self) -> u64 {
+        0
+    }
+
+    /// Makes the next step a bounded replay starting at `from` (`from <= len()`, a multiple
+    /// of every compress ratio): see the module docs.
+    ///
+    /// # Errors
+    /// [`Error::State`] when the store cannot replay or `from` is out of range.
+    fn begin_replay(&mut self, from: u64) -> Result<(), Error> {
+        Err(Error::State {
+            layer: 0,
+            reason: format!("this store cannot replay (asked to replay from {from})"),
+        })
+    }
 }
 
 #[derive(Clone, Debug, Default)]
@@ -81,6 +113,10 @@ pub struct ContiguousStore {
     key_bytes: usize,
     keep_window: Option<usize>,
     layers: Vec<LayerRows>,
+    /// Start of the current step when it is a replay.
+    replay_from: Option<u64>,
+    /// [`KvStore::window_floor`].
+    floor: u64,
 }
 
 impl ContiguousStore {
@@ -99,7 +135,21 @@ impl ContiguousStore {
             key_bytes,
             keep_window,
             layers: vec![LayerRows::default(); layers],
+            replay_from: None,
+            floor: 0,
         }
+    }
+
+    /// Forgets every window row, keeping the global entries, index keys and pending state:
+    /// the state a restore from the global tier without a window snapshot leaves (spec §7).
+    /// The next step should be a replay ([`KvStore::begin_replay`]).
+    pub fn drop_window(&mut self) {
+        for l in &mut self.layers {
+            l.window.clear();
+            l.staged.clear();
+            l.window_first = self.len;
+        }
+        self.floor = self.len;
     }
 
     fn layer_mut(&mut self, layer: usize) -> Result<&mut LayerRows, Error> {
@@ -133,7 +183,7 @@ impl KvStore for ContiguousStore {
 
     fn window_row(&self, layer: usize, pos: u64) -> Option<&[u8]> {
         let l = self.layers.get(layer)?;
-        if pos >= self.len {
+        if pos >= self.step_start() {
             return None;
         }
         row(
@@ -162,7 +212,7 @@ impl KvStore for ContiguousStore {
     }
 
     fn push_window(&mut self, layer: usize, first: u64, rows: &[u8]) -> Result<(), Error> {
-        let (len, wb) = (self.len, self.window_bytes);
+        let (len, wb) = (self.step_start(), self.window_bytes);
         let l = self.layer_mut(layer)?;
         if first != len || !l.staged.is_empty() || !rows.len().is_multiple_of(wb.max(1)) {
             return Err(Error::State {
@@ -207,7 +257,17 @@ impl KvStore for ContiguousStore {
 
     fn commit(&mut self, tokens: u64) -> Result<(), Error> {
         let wb = self.window_bytes.max(1);
-        let new_len = self.len + tokens;
+        let start = self.step_start();
+        let new_len = start + tokens;
+        if new_len < self.len {
+            return Err(Error::State {
+                layer: 0,
+                reason: format!(
+                    "a replay step from {start} of {tokens} tokens ends before the {} committed",
+                    self.len
+                ),
+            });
+        }
         for (i, l) in self.layers.iter_mut().enumerate() {
             let staged = (l.staged.len() / wb) as u64;
             if staged != 0 && staged != tokens {
@@ -215,6 +275,15 @@ impl KvStore for ContiguousStore {
                     layer: i,
                     reason: format!("{staged} window rows pushed in a step of {tokens} tokens"),
                 });
+            }
+            if start < self.len {
+                // Replay: the step's rows replace whatever this layer held from `start` on.
+                if l.window_first >= start {
+                    l.window.clear();
+                    l.window_first = start;
+                } else {
+                    l.window.truncate((start - l.window_first) as usize * wb);
+                }
             }
             l.window.append(&mut l.staged);
             if let Some(keep) = self.keep_window {
@@ -226,7 +295,32 @@ impl KvStore for ContiguousStore {
                 }
             }
         }
+        if let Some(from) = self.replay_from.take() {
+            self.floor = self.floor.max(from);
+        }
         self.len = new_len;
+        Ok(())
+    }
+
+    fn step_start(&self) -> u64 {
+        self.replay_from.unwrap_or(self.len)
+    }
+
+    fn window_floor(&self) -> u64 {
+        self.replay_from.unwrap_or(self.floor)
+    }
+
+    fn begin_replay(&mut self, from: u64) -> Result<(), Error> {
+        if from > self.len || self.layers.iter().any(|l| !l.staged.is_empty()) {
+            return Err(Error::State {
+                layer: 0,
+                reason: format!(
+                    "replay from {from} with {} tokens committed (or inside a step)",
+                    self.len
+                ),
+            });
+        }
+        self.replay_from = Some(from);
         Ok(())
     }
 }

@@ -25,7 +25,8 @@ use kvstack_kernels::csa2::norm::rms_norm;
 use kvstack_kernels::model::{Expert, HcMix, HcShape, HcSite, MoeShape, Route};
 
 use crate::attention::{
-    AttentionDims, ContiguousStore, Csa2Attention, KvStore, LayerTrace, PagedStore, StepState,
+    AttentionDims, ContiguousStore, Csa2Attention, KvStore, LayerTrace, PagedStore, PagedView,
+    StepState,
 };
 use crate::config::ModelConfig;
 use crate::plan::{LayerMode, LayerPlan};
@@ -49,6 +50,12 @@ impl ModelStore for PagedStore<'_> {
     }
 }
 
+impl ModelStore for PagedView<'_> {
+    fn begin_step(&mut self, tokens: &[u32]) {
+        PagedView::begin_step(self, tokens);
+    }
+}
+
 /// How a prompt is prefilled.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PrefillMode {
@@ -67,6 +74,50 @@ pub enum Logits {
     Last,
     /// Every token's, `[n, vocab]`.
     All,
+}
+
+/// One sequence's part of a batched step ([`Model::step_batch`]).
+pub struct BatchItem<'a> {
+    /// Its store.
+    pub store: &'a mut dyn ModelStore,
+    /// Its tokens in this step (at least one).
+    pub tokens: &'a [u32],
+    /// Which logits it wants.
+    pub logits: Logits,
+    /// Window truncation of the decoder layers (CED; 0 for none).
+    pub decoder_window_start: u64,
+}
+
+impl std::fmt::Debug for BatchItem<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BatchItem")
+            .field("tokens", &self.tokens.len())
+            .field("logits", &self.logits)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A batch member inside [`Model::run_batch`].
+struct Member<'s, 'a> {
+    store: &'s mut (dyn ModelStore + 'a),
+    step: StepState,
+    tokens: &'s [u32],
+    logits: Logits,
+    rows: Range<usize>,
+    p0: u64,
+    decoder_window_start: u64,
+}
+
+/// One step of a prefill ([`Model::prefill_plan`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PrefillStep {
+    /// Which of the prefill's tokens it runs.
+    pub tokens: Range<usize>,
+    /// CED: only the encoder runs ([`Model::step_encoder`]); otherwise every layer
+    /// ([`Model::step_batch`], which can batch it with other sequences' steps).
+    pub encoder_only: bool,
+    /// Window truncation of the decoder layers (CED).
+    pub decoder_window_start: u64,
 }
 
 /// What one block computed in a step (for `verify model`).
@@ -339,22 +390,21 @@ impl Model {
         Ok(out)
     }
 
-    /// One block over the step.
-    #[allow(clippy::too_many_arguments)]
+    /// One block over the step of every member of a batch (rows of all members
+    /// concatenated in `streams`; attention per member, everything else over all rows).
     fn block(
         &self,
         l: usize,
-        store: &mut dyn KvStore,
-        step: &mut StepState,
+        members: &mut [Member<'_, '_>],
         streams: &mut [f32],
         prev_pre: &mut Vec<HcMix>,
-        n: usize,
-        window_start: u64,
         trace: Option<&mut BlockTrace>,
     ) -> Result<(), Error> {
         let hc = self.hc();
         let b = self.block_weights(l)?;
         let h = self.dims.hidden;
+        let n: usize = members.iter().map(|m| m.rows.len()).sum();
+        let boundary = self.boundary();
         let streams_in = trace.is_some().then(|| streams.to_vec());
         let attn_mix = hc
             .mixes(&site(&b.attn_hc), streams, n)
@@ -364,14 +414,25 @@ impl Model {
             .map_err(kernel(format!("layer {l}: collapse")))?;
         let attn_input = self.norm_rows(&x, &b.attn_norm, "attn_norm")?;
         let mut lt = LayerTrace::default();
-        let y = self.attn.forward_from(
-            l,
-            store,
-            step,
-            &attn_input,
-            trace.is_some().then_some(&mut lt),
-            window_start,
-        )?;
+        let mut y = Vec::with_capacity(n * h);
+        let single = members.len() == 1;
+        for m in members.iter_mut() {
+            let ws = if l >= boundary {
+                m.decoder_window_start
+            } else {
+                0
+            };
+            let rows = &attn_input[m.rows.start * h..m.rows.end * h];
+            let out = self.attn.forward_from(
+                l,
+                &mut *m.store,
+                &mut m.step,
+                rows,
+                (single && trace.is_some()).then_some(&mut lt),
+                ws,
+            )?;
+            y.extend_from_slice(&out);
+        }
         hc.expand(&attn_mix, &y, streams)
             .map_err(kernel(format!("layer {l}: expand")))?;
         let ffn_mix = hc
@@ -399,7 +460,9 @@ impl Model {
                 ffn_hc: ffn_mix.clone(),
                 routes,
                 attention: lt,
-                candidates: step.candidates().map(|c| c.rows.clone()),
+                candidates: members
+                    .first()
+                    .and_then(|m| m.step.candidates().map(|c| c.rows.clone())),
             };
         }
         *prev_pre = ffn_mix;
@@ -413,25 +476,68 @@ impl Model {
         store: &mut dyn ModelStore,
         tokens: &[u32],
         logits: Logits,
-        mut trace: Option<&mut ModelTrace>,
+        trace: Option<&mut ModelTrace>,
         layers: Range<usize>,
         decoder_window_start: u64,
     ) -> Result<Vec<f32>, Error> {
-        let n = tokens.len();
-        if n == 0 {
-            return Err(Error::Input("a step needs at least one token".into()));
-        }
+        let mut items = [BatchItem {
+            store,
+            tokens,
+            logits,
+            decoder_window_start,
+        }];
+        let mut out = self.run_batch(&mut items, trace, layers)?;
+        Ok(out.pop().unwrap_or_default())
+    }
+
+    /// One step of several sequences together (continuous batching): every member's tokens
+    /// run through `layers` as one set of rows (HC, norms, router and experts over all rows
+    /// at once; attention per member over its own store), then each member commits. Rows do
+    /// not interact, so each member's results are those of running it alone.
+    fn run_batch(
+        &self,
+        items: &mut [BatchItem<'_>],
+        mut trace: Option<&mut ModelTrace>,
+        layers: Range<usize>,
+    ) -> Result<Vec<Vec<f32>>, Error> {
         let (h, ns, v) = (self.dims.hidden, self.dims.hc_mult, self.dims.vocab);
-        store.begin_step(tokens);
-        let p0 = store.len();
-        let mut streams = vec![0f32; n * ns * h];
-        for (i, &tok) in tokens.iter().enumerate() {
-            let t = tok as usize;
-            if t >= v {
+        let mut members = Vec::with_capacity(items.len());
+        let mut n = 0usize;
+        for (k, it) in items.iter_mut().enumerate() {
+            if it.tokens.is_empty() {
+                return Err(Error::Input(format!(
+                    "batch member {k}: a step needs at least one token"
+                )));
+            }
+            if let Some((i, &tok)) = it
+                .tokens
+                .iter()
+                .enumerate()
+                .find(|(_, t)| **t as usize >= v)
+            {
                 return Err(Error::Input(format!(
                     "token id {tok} at step position {i} is outside the vocabulary of {v}"
                 )));
             }
+            it.store.begin_step(it.tokens);
+            let m = it.tokens.len();
+            members.push(Member {
+                tokens: it.tokens,
+                logits: it.logits,
+                p0: it.store.step_start(),
+                store: &mut *it.store,
+                step: StepState::new(m),
+                rows: n..n + m,
+                decoder_window_start: it.decoder_window_start,
+            });
+            n += m;
+        }
+        if members.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut streams = vec![0f32; n * ns * h];
+        for (i, &tok) in members.iter().flat_map(|m| m.tokens.iter()).enumerate() {
+            let t = tok as usize;
             let row = &self.embed[t * h..(t + 1) * h];
             for s in 0..ns {
                 streams[(i * ns + s) * h..(i * ns + s + 1) * h].copy_from_slice(row);
@@ -445,17 +551,13 @@ impl Model {
                 ..HcMix::default()
             })
             .collect();
-        let mut step = StepState::new(n);
-        let boundary = self.boundary();
+        if members.len() > 1 {
+            trace = None;
+        }
         if let Some(t) = trace.as_deref_mut() {
             t.blocks.clear();
         }
         for l in layers.clone() {
-            let ws = if l >= boundary {
-                decoder_window_start
-            } else {
-                0
-            };
             let bt = match trace.as_deref_mut() {
                 Some(t) => {
                     t.blocks.push(BlockTrace::default());
@@ -463,7 +565,7 @@ impl Model {
                 }
                 None => None,
             };
-            self.block(l, store, &mut step, &mut streams, &mut prev_pre, n, ws, bt)?;
+            self.block(l, &mut members, &mut streams, &mut prev_pre, bt)?;
         }
         let hc = self.hc();
         let mut x = vec![0f32; n * h];
@@ -473,47 +575,60 @@ impl Model {
             // CED encoder-only step: decoder KV sources from the boundary state, placeholder
             // window rows for the decoder layers (never read: their window is truncated).
             let wb = self.attn.window_codec().bytes();
-            let placeholder = vec![0u8; n * wb];
-            for l in layers.end..self.dims.layers {
-                let spec = self.attn.plan().layers.get(l).copied();
-                if let Some(spec) = spec
-                    && spec.mode == LayerMode::Full
-                {
-                    let b = self.block_weights(l)?;
-                    let xin = self.norm_rows(&x, &b.attn_norm, "attn_norm")?;
-                    let first = store.compressed_len(l);
-                    let c = self.attn.compress(l, &xin, store.pending(l), first)?;
-                    store.push_compressed(l, &c.rows, &c.key_rows)?;
-                    store.set_pending(l, &c.pending)?;
+            for m in &mut members {
+                let xm = &x[m.rows.start * h..m.rows.end * h];
+                let placeholder = vec![0u8; m.rows.len() * wb];
+                for l in layers.end..self.dims.layers {
+                    let spec = self.attn.plan().layers.get(l).copied();
+                    if let Some(spec) = spec
+                        && spec.mode == LayerMode::Full
+                    {
+                        let b = self.block_weights(l)?;
+                        let xin = self.norm_rows(xm, &b.attn_norm, "attn_norm")?;
+                        self.attn.compress_step(l, &mut *m.store, &xin)?;
+                    }
+                    m.store.push_window(l, m.p0, &placeholder)?;
                 }
-                store.push_window(l, p0, &placeholder)?;
+                m.store.commit(m.rows.len() as u64)?;
             }
-            store.commit(n as u64)?;
-            return Ok(Vec::new());
+            return Ok(vec![Vec::new(); members.len()]);
         }
-        store.commit(n as u64)?;
+        for m in &mut members {
+            m.store.commit(m.rows.len() as u64)?;
+        }
         let hidden = self.norm_rows(&x, &self.norm, "final norm")?;
-        let rows = match logits {
-            Logits::None => 0..0,
-            Logits::Last => n - 1..n,
-            Logits::All => 0..n,
-        };
-        let mut out = vec![0f32; rows.len() * v];
-        if !rows.is_empty() {
-            linear(
-                &hidden[rows.start * h..rows.end * h],
-                &self.head,
-                rows.len(),
-                h,
-                v,
-                &mut out,
-            )
-            .map_err(kernel("lm head"))?;
+        let mut outs = Vec::with_capacity(members.len());
+        for m in &members {
+            let rows = match m.logits {
+                Logits::None => 0..0,
+                Logits::Last => m.rows.end - 1..m.rows.end,
+                Logits::All => m.rows.clone(),
+            };
+            let mut out = vec![0f32; rows.len() * v];
+            if !rows.is_empty() {
+                linear(
+                    &hidden[rows.start * h..rows.end * h],
+                    &self.head,
+                    rows.len(),
+                    h,
+                    v,
+                    &mut out,
+                )
+                .map_err(kernel("lm head"))?;
+            }
+            outs.push(out);
         }
         if let Some(t) = trace {
             t.final_hidden = hidden;
         }
-        Ok(out)
+        Ok(outs)
+    }
+
+    /// One exact step of several sequences together (continuous batching: a decoded token of
+    /// each, or prefill chunks beside them); returns each member's requested logits. Each
+    /// member's results equal those of [`Model::step`] on it alone.
+    pub fn step_batch(&self, items: &mut [BatchItem<'_>]) -> Result<Vec<Vec<f32>>, Error> {
+        self.run_batch(items, None, 0..self.dims.layers)
     }
 
     /// One exact step (every layer over every token of `tokens`), committed to `store`;
@@ -542,29 +657,137 @@ impl Model {
         mode: PrefillMode,
         chunk: usize,
     ) -> Result<Vec<f32>, Error> {
+        self.prefill_steps(store, tokens, 0, mode, chunk)
+    }
+
+    /// Bounded replay (spec §7) then prefill: `store` holds a restored prefix whose global KV
+    /// is complete but whose window is missing; `replay` are its last tokens (at most the
+    /// window; positions `store.len() - replay.len() ..`, a multiple of every compress ratio).
+    /// They run again with the new `tokens`, regenerating window KV only (cached global
+    /// entries are never rewritten), every window truncated at the replay start. Returns the
+    /// last token's logits (with no new tokens, the next-token logits of the prefix).
+    pub fn prefill_replay(
+        &self,
+        store: &mut dyn ModelStore,
+        replay: &[u32],
+        tokens: &[u32],
+        mode: PrefillMode,
+        chunk: usize,
+    ) -> Result<Vec<f32>, Error> {
+        if replay.is_empty() {
+            return self.prefill(store, tokens, mode, chunk);
+        }
+        let len = store.len();
+        let from = len.checked_sub(replay.len() as u64).ok_or_else(|| {
+            Error::Input(format!(
+                "a replay of {} tokens is longer than the {len} the store holds",
+                replay.len()
+            ))
+        })?;
+        store.begin_replay(from)?;
+        let mut all = Vec::with_capacity(replay.len() + tokens.len());
+        all.extend_from_slice(replay);
+        all.extend_from_slice(tokens);
+        self.prefill_steps(store, &all, replay.len(), mode, chunk)
+    }
+
+    /// How a prefill of `tokens` tokens from position `start` runs, step by step, in `mode`
+    /// with chunks of at most `chunk` tokens; the first `replayed` tokens are a bounded replay
+    /// and all run in the first step (spec §7). CED (spec §3) gives encoder-only steps for all
+    /// but the last `sliding_window` tokens, unless a replay is longer than that part.
+    pub fn prefill_plan(
+        &self,
+        start: u64,
+        tokens: usize,
+        replayed: usize,
+        mode: PrefillMode,
+        chunk: usize,
+    ) -> Vec<PrefillStep> {
         let chunk = chunk.max(1);
-        let p0 = store.len();
-        let total = p0 + tokens.len() as u64;
-        let (split, ws) = match mode {
+        let total = start + tokens as u64;
+        let (mut split, ws) = match mode {
             PrefillMode::Exact => (0, 0),
             PrefillMode::Ced => {
                 let from = total.saturating_sub(self.window() as u64);
-                ((from.saturating_sub(p0)) as usize, from)
+                ((from.saturating_sub(start)) as usize, from)
             }
         };
-        let (encoder, full) = tokens.split_at(split.min(tokens.len()));
-        for c in encoder.chunks(chunk) {
-            self.run(store, c, Logits::None, None, 0..self.boundary(), ws)?;
+        if split < replayed {
+            // The replay must commit in one step; a short suffix runs every layer instead.
+            split = 0;
         }
+        let split = split.min(tokens);
+        let mut steps = Vec::new();
+        let mut at = 0usize;
+        for (encoder_only, hi) in [(true, split), (false, tokens)] {
+            while at < hi {
+                let bonus = if at == 0 { replayed } else { 0 };
+                let end = (at + chunk + bonus).min(hi);
+                steps.push(PrefillStep {
+                    tokens: at..end,
+                    encoder_only,
+                    decoder_window_start: ws,
+                });
+                at = end;
+            }
+        }
+        steps
+    }
+
+    /// One CED encoder-only prefill step ([`PrefillStep::encoder_only`]): the encoder layers
+    /// over `tokens`, the decoder's KV sources from the boundary state; committed to `store`.
+    pub fn step_encoder(
+        &self,
+        store: &mut dyn ModelStore,
+        tokens: &[u32],
+        decoder_window_start: u64,
+    ) -> Result<(), Error> {
+        self.run(
+            store,
+            tokens,
+            Logits::None,
+            None,
+            0..self.boundary(),
+            decoder_window_start,
+        )?;
+        Ok(())
+    }
+
+    /// Prefill of `tokens` from `store.step_start()`; the first `replayed` of them are a
+    /// replay, which must all run in the first step.
+    fn prefill_steps(
+        &self,
+        store: &mut dyn ModelStore,
+        tokens: &[u32],
+        replayed: usize,
+        mode: PrefillMode,
+        chunk: usize,
+    ) -> Result<Vec<f32>, Error> {
+        if tokens.is_empty() {
+            return Err(Error::Input("a prefill needs at least one token".into()));
+        }
+        let plan = self.prefill_plan(store.step_start(), tokens.len(), replayed, mode, chunk);
         let mut last = Vec::new();
-        let k = full.len().div_ceil(chunk);
-        for (i, c) in full.chunks(chunk).enumerate() {
-            let want = if i + 1 == k {
-                Logits::Last
+        let k = plan.len();
+        for (i, st) in plan.into_iter().enumerate() {
+            let c = &tokens[st.tokens];
+            if st.encoder_only {
+                self.step_encoder(store, c, st.decoder_window_start)?;
             } else {
-                Logits::None
-            };
-            last = self.run(store, c, want, None, 0..self.dims.layers, ws)?;
+                let want = if i + 1 == k {
+                    Logits::Last
+                } else {
+                    Logits::None
+                };
+                last = self.run(
+                    store,
+                    c,
+                    want,
+                    None,
+                    0..self.dims.layers,
+                    st.decoder_window_start,
+                )?;
+            }
         }
         Ok(last)
     }

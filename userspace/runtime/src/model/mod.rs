@@ -26,7 +26,9 @@ mod weights;
 
 pub use dims::ModelDims;
 pub use error::Error;
-pub use forward::{BlockTrace, Logits, Model, ModelStore, ModelTrace, PrefillMode};
+pub use forward::{
+    BatchItem, BlockTrace, Logits, Model, ModelStore, ModelTrace, PrefillMode, PrefillStep,
+};
 pub use storage::{
     dequantize_fp4, dequantize_fp8, encode_fp4, encode_fp8, f32_from_bf16, load_f32,
 };

@@ -43,6 +43,19 @@ impl ModelFingerprint {
         ModelFingerprint(*h.finalize().as_bytes())
     }
 
+    /// This fingerprint narrowed to one set of weights: `weights` identifies them (a hash of
+    /// the checkpoint, or the built-in model's name and seed). Two checkpoints of one config
+    /// hold different KV for the same tokens, so their units must never match.
+    pub fn with_weights(&self, weights: &[u8]) -> ModelFingerprint {
+        if weights.is_empty() {
+            return *self;
+        }
+        let mut h = blake3::Hasher::new_derive_key("kvstack model fingerprint weights v1");
+        h.update(&self.0);
+        h.update(weights);
+        ModelFingerprint(*h.finalize().as_bytes())
+    }
+
     /// The 16 bytes kept in each record header.
     pub fn short(&self) -> [u8; MODEL_BYTES] {
         let mut out = [0u8; MODEL_BYTES];
@@ -139,6 +152,9 @@ mod tests {
         let cfg = crate::builtin::default_config().unwrap();
         let m = ModelFingerprint::new(&cfg, 256);
         let m2 = ModelFingerprint::new(&cfg, 128);
+        assert_ne!(m.with_weights(b"seed 1"), m.with_weights(b"seed 2"));
+        assert_ne!(m.with_weights(b"seed 1"), m);
+        assert_eq!(m.with_weights(b""), m);
         assert_ne!(m, m2);
         let a = Tenant::new("a");
         let b = Tenant::new("b");

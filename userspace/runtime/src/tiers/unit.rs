@@ -51,6 +51,9 @@ pub struct TierOptions {
     pub pool: PoolOptions,
     /// A unit every this many tokens of a long input.
     pub unit_interval_tokens: u64,
+    /// Identity of the model's weights, mixed into the model fingerprint
+    /// ([`ModelFingerprint::with_weights`]); empty: the config alone.
+    pub weights_id: Vec<u8>,
 }
 
 impl TierOptions {
@@ -60,6 +63,7 @@ impl TierOptions {
             store,
             pool: PoolOptions::new(1),
             unit_interval_tokens: DEFAULT_UNIT_INTERVAL,
+            weights_id: Vec::new(),
         }
     }
 }
@@ -201,7 +205,7 @@ impl Tiers {
         let plan =
             crate::plan::LayerPlan::from_config(cfg).map_err(|e| Error::Config(Box::new(e)))?;
         let geometry = CacheGeometry::new(cfg, &plan, page_tokens)?;
-        let model = ModelFingerprint::new(cfg, geometry.page_tokens);
+        let model = ModelFingerprint::new(cfg, geometry.page_tokens).with_weights(&opts.weights_id);
         let block = block_payload_bytes(&geometry, geometry.page_tokens as u64) as usize
             + 4 * geometry.page_tokens;
         opts.store.max_block_payload = opts.store.max_block_payload.max(block);

@@ -1,0 +1,153 @@
+//! What the engine counts: where each request's context came from, throughput, time to first
+//! token by kind of reuse.
+
+use std::time::Duration;
+
+use serde::Serialize;
+
+/// Where a request's context came from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize)]
+pub enum ReuseKind {
+    /// Nothing reused: every token computed.
+    #[default]
+    None,
+    /// The session's live sequence.
+    Live,
+    /// A unit from the tiers, with its window from the DRAM pool.
+    TiersWithWindow,
+    /// A unit from the tiers without a window: bounded replay (spec §7).
+    TiersReplay,
+}
+
+impl ReuseKind {
+    /// Every kind, in report order.
+    pub const ALL: [ReuseKind; 4] = [
+        ReuseKind::None,
+        ReuseKind::Live,
+        ReuseKind::TiersWithWindow,
+        ReuseKind::TiersReplay,
+    ];
+
+    /// A short label.
+    pub fn label(self) -> &'static str {
+        match self {
+            ReuseKind::None => "computed from scratch",
+            ReuseKind::Live => "live session",
+            ReuseKind::TiersWithWindow => "tiers, window from DRAM",
+            ReuseKind::TiersReplay => "tiers, window replayed",
+        }
+    }
+}
+
+/// Where one request's context tokens came from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Reuse {
+    /// The kind.
+    pub kind: ReuseKind,
+    /// Tokens held by the session's live sequence.
+    pub live_tokens: u64,
+    /// Tokens mapped from blocks the paged cache still held (no I/O).
+    pub mapped_tokens: u64,
+    /// Tokens whose global KV was read from SSD.
+    pub ssd_tokens: u64,
+    /// Bytes read from SSD.
+    pub ssd_bytes: u64,
+    /// Whether the window came from the DRAM pool.
+    pub window_from_pool: bool,
+    /// Cached tokens run again to rebuild the window.
+    pub replayed_tokens: u64,
+    /// New tokens computed by the prefill.
+    pub computed_tokens: u64,
+    /// Time of the lookup and restore.
+    #[serde(skip)]
+    pub restore_time: Duration,
+}
+
+/// Counters of an engine.
+#[derive(Clone, Debug, Default)]
+pub struct EngineStats {
+    /// Requests finished.
+    pub requests: u64,
+    /// Requests failed.
+    pub failed: u64,
+    /// Context tokens of admitted requests.
+    pub context_tokens: u64,
+    /// Of those: from live sessions.
+    pub live_tokens: u64,
+    /// From the paged cache's blocks (mapped after a tier hit).
+    pub mapped_tokens: u64,
+    /// From SSD.
+    pub ssd_tokens: u64,
+    /// Bytes read from SSD.
+    pub ssd_bytes: u64,
+    /// Windows restored from the DRAM pool.
+    pub pool_windows: u64,
+    /// Tokens replayed.
+    pub replayed_tokens: u64,
+    /// Tokens computed by prefills (not counting replays).
+    pub computed_tokens: u64,
+    /// Rows run by prefill steps (computed plus replayed).
+    pub prefill_rows: u64,
+    /// Prefill steps.
+    pub prefill_steps: u64,
+    /// Time in prefill rows (a mixed step's time is split by rows).
+    pub prefill_time: Duration,
+    /// Tokens decoded.
+    pub decode_tokens: u64,
+    /// Steps with decode rows.
+    pub decode_steps: u64,
+    /// Decode rows summed over those steps (mean batch = this / steps).
+    pub decode_batch_rows: u64,
+    /// Time in decode rows.
+    pub decode_time: Duration,
+    /// Units persisted.
+    pub units_persisted: u64,
+    /// Units the tiers refused or failed to take.
+    pub persist_failures: u64,
+    /// Restores cut short by a damaged block.
+    pub damaged_restores: u64,
+    /// Time to first token per kind of reuse.
+    pub ttft: Vec<(ReuseKind, Duration)>,
+}
+
+impl EngineStats {
+    pub(super) fn add_reuse(&mut self, r: &Reuse, context: u64) {
+        self.context_tokens += context;
+        self.live_tokens += r.live_tokens;
+        self.mapped_tokens += r.mapped_tokens;
+        self.ssd_tokens += r.ssd_tokens;
+        self.ssd_bytes += r.ssd_bytes;
+        self.pool_windows += u64::from(r.window_from_pool);
+        self.replayed_tokens += r.replayed_tokens;
+        self.computed_tokens += r.computed_tokens;
+    }
+
+    pub(super) fn record_ttft(&mut self, kind: ReuseKind, d: Duration) {
+        self.ttft.push((kind, d));
+    }
+
+    /// Mean time to first token of requests of `kind`, and how many there were.
+    pub fn mean_ttft(&self, kind: ReuseKind) -> Option<(Duration, usize)> {
+        let v: Vec<Duration> = self
+            .ttft
+            .iter()
+            .filter(|(k, _)| *k == kind)
+            .map(|(_, d)| *d)
+            .collect();
+        if v.is_empty() {
+            return None;
+        }
+        let sum: Duration = v.iter().sum();
+        Some((sum / v.len() as u32, v.len()))
+    }
+
+    /// Prefill rows per second.
+    pub fn prefill_rate(&self) -> f64 {
+        self.prefill_rows as f64 / self.prefill_time.as_secs_f64().max(1e-9)
+    }
+
+    /// Decoded tokens per second.
+    pub fn decode_rate(&self) -> f64 {
+        self.decode_tokens as f64 / self.decode_time.as_secs_f64().max(1e-9)
+    }
+}
