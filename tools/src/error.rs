@@ -106,6 +106,12 @@ pub enum CliError {
     /// JSON serialisation failed.
     #[error("cannot serialise the report as JSON")]
     Json(#[source] serde_json::Error),
+    /// `kvstack run` finished but some requests failed (each was logged).
+    #[error("{failed} requests failed")]
+    RunFailed {
+        /// How many.
+        failed: usize,
+    },
 }
 
 /// Prints `err` and each of its causes once, outermost first.

@@ -1,24 +1,36 @@
-//! `kvstack run`: the main job. Serves a simulated agent workload (several multi-turn sessions
-//! sharing a long system prompt, with growing tool outputs) with the embedded tiny V4.1 model
-//! (the real V4.1-Flash cache geometry, weights generated in memory from a seed) and prints a
-//! summary: prefill and decode tokens/s, tokens reused vs computed, cache bytes and measured
-//! bytes/token, time to first token with and without reuse.
+//! `kvstack run`: the main job. Serves a simulated agent workload with the embedded tiny V4.1
+//! model (the real V4.1-Flash cache geometry, weights generated in memory from a seed) through
+//! the serving engine (`kvstack_runtime::engine`): the paged cache for live sequences,
+//! continuous batching, and prefix reuse through the SSD store in `--data-dir` and the DRAM
+//! window pool. Prints a summary: prefill and decode tokens/s, where context tokens came from
+//! (live sessions, the paged cache, SSD, the window pool, replayed, computed), bytes per tier,
+//! measured bytes/token, and time to first token by kind of reuse. A second run over the same
+//! data directory finds the first run's units on SSD.
 //!
-//! Today each session keeps its KV state live in memory between turns (a turn computes only its
-//! new tokens). Cross-session prefix reuse through the paged cache's prefix index and the SSD /
-//! DRAM tiers is not wired in yet; the summary prints "n/a" for those figures.
+//! The workload: `--sessions` agent sessions of one tenant share a system prompt. Session `i`
+//! arrives when session `i - 1` has its first token (so later sessions can find the shared
+//! prompt); each turn sends a tool output (turn `k`'s is `k + 1` times `--tool-tokens`) and a
+//! user message, and generates `--decode-tokens`; the next turn follows as soon as a turn
+//! ends, so prefills of some sessions run beside decodes of others. Between turns a session
+//! holds no cache unless `--keep-live`: it waits on its tools, and its next turn is restored
+//! from the tiers.
 
 use std::io::Write;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
-use kvstack_kernels::model::{Sampling, sample};
-use kvstack_runtime::attention::ContiguousStore;
+use kvstack_kernels::model::Sampling;
+use kvstack_runtime::cache::CacheOptions;
+use kvstack_runtime::engine::{
+    Engine, EngineOptions, EngineStats, Event, RequestSpec, ReuseKind, SessionId,
+};
+use kvstack_runtime::model::PrefillMode;
 use kvstack_runtime::model::init::random_model;
-use kvstack_runtime::model::{Model, PrefillMode};
-use kvstack_runtime::plan::LayerMode;
+use kvstack_runtime::tiers::{StoreLocation, StoreOptions, SystemClock, TierOptions, Tiers};
+use serde::Serialize;
 
 use crate::error::CliError;
 
@@ -34,7 +46,7 @@ pub enum ModeArg {
 /// Arguments of `kvstack run`.
 #[derive(Args)]
 pub struct RunArgs {
-    /// Data directory (created if absent; the SSD tier will live here).
+    /// Data directory: the SSD store's segments (created if absent).
     #[arg(long, default_value = "kvstack-data")]
     data_dir: PathBuf,
     /// Concurrent agent sessions.
@@ -73,11 +85,20 @@ pub struct RunArgs {
     /// Nucleus mass with --temperature.
     #[arg(long, default_value_t = 0.9)]
     top_p: f32,
+    /// Keep each session's sequence in the paged cache between turns (no tier restores).
+    #[arg(long)]
+    keep_live: bool,
+    /// Serve without the tiers (nothing persisted, no reuse across sessions or runs).
+    #[arg(long)]
+    no_tiers: bool,
+    /// Print the summary as one JSON object.
+    #[arg(long)]
+    json: bool,
 }
 
 /// Deterministic workload tokens.
 fn tokens(seed: u64, tag: u64, n: usize, vocab: usize) -> Vec<u32> {
-    let mut x = seed ^ tag.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    let mut x = seed ^ tag.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     (0..n)
         .map(|_| {
             x ^= x << 13;
@@ -88,41 +109,46 @@ fn tokens(seed: u64, tag: u64, n: usize, vocab: usize) -> Vec<u32> {
         .collect()
 }
 
-struct Session {
-    store: ContiguousStore,
-    turn: usize,
-}
-
-#[derive(Default)]
-struct Stats {
-    prefill_tokens: u64,
-    prefill_time: Duration,
+/// The JSON summary (`--json`).
+#[derive(Serialize)]
+struct Summary {
+    sessions: usize,
+    turns: usize,
+    requests: u64,
+    failed: u64,
+    wall_seconds: f64,
+    prefill_tokens_per_s: f64,
+    decode_tokens_per_s: f64,
+    mean_decode_batch: f64,
+    context_tokens: u64,
+    live_tokens: u64,
+    dram_cache_tokens: u64,
+    ssd_tokens: u64,
+    ssd_read_bytes: u64,
+    pool_windows: u64,
+    replayed_tokens: u64,
+    computed_tokens: u64,
     decode_tokens: u64,
-    decode_time: Duration,
-    reused_tokens: u64,
-    ttft_cold: Vec<Duration>,
-    ttft_warm: Vec<Duration>,
+    measured_bytes_per_token: f64,
+    dram_cache_bytes: u64,
+    dram_pool_bytes: u64,
+    ssd_live_bytes: u64,
+    ssd_units: u64,
+    ssd_units_at_start: u64,
+    units_persisted: u64,
+    persist_failures: u64,
+    ttft_ms: Vec<TtftLine>,
 }
 
-fn mean(v: &[Duration]) -> String {
-    if v.is_empty() {
-        return "n/a".into();
-    }
-    let s: Duration = v.iter().sum();
-    format!("{:.1} ms", s.as_secs_f64() * 1e3 / v.len() as f64)
+#[derive(Serialize)]
+struct TtftLine {
+    reuse: ReuseKind,
+    requests: usize,
+    mean_ms: f64,
 }
 
-fn global_bytes(model: &Model, store: &ContiguousStore) -> u64 {
-    model
-        .attention()
-        .plan()
-        .layers
-        .iter()
-        .filter(|s| s.mode == LayerMode::Full)
-        .map(|s| {
-            (store.compressed_rows(s.index).len() + store.index_key_rows(s.index).len()) as u64
-        })
-        .sum()
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
 }
 
 /// Runs `kvstack run`.
@@ -130,14 +156,41 @@ pub fn run(a: &RunArgs) -> Result<(), CliError> {
     let cfg = kvstack_runtime::builtin::tiny_config().map_err(CliError::Runtime)?;
     std::fs::create_dir_all(&a.data_dir).map_err(CliError::Stdout)?;
     let t0 = Instant::now();
-    let mut model = random_model(&cfg, a.seed).map_err(CliError::Model)?;
-    model.set_threads(a.threads);
+    let model = random_model(&cfg, a.seed).map_err(CliError::Model)?;
     let load = t0.elapsed();
     let vocab = model.dims().vocab;
-    let mode = match a.prefill {
-        ModeArg::Exact => PrefillMode::Exact,
-        ModeArg::Ced => PrefillMode::Ced,
+    let tiers = if a.no_tiers {
+        None
+    } else {
+        let store = StoreOptions::new(StoreLocation::Directory(a.data_dir.clone()));
+        let opts = TierOptions {
+            // The weights are generated from the seed: KV of other seeds must never match.
+            weights_id: format!("builtin kvstack-tiny-v4.1 seed {}", a.seed).into_bytes(),
+            ..TierOptions::new(store)
+        };
+        Some(Tiers::open(&cfg, 256, opts, Arc::new(SystemClock)).map_err(CliError::Store)?)
     };
+    let units_at_start = tiers.as_ref().map_or(0, |t| t.store().stats().units);
+    let recovery = tiers
+        .as_ref()
+        .map(|t| t.store().recovery().seconds)
+        .unwrap_or(0.0);
+    let opts = EngineOptions {
+        prefill: match a.prefill {
+            ModeArg::Exact => PrefillMode::Exact,
+            ModeArg::Ced => PrefillMode::Ced,
+        },
+        chunk: a.chunk.max(1),
+        keep_live: a.keep_live,
+        cache: CacheOptions {
+            context_limit: 1 << 16,
+            max_sequences: a.sessions.max(1) + 1,
+            ..CacheOptions::default()
+        },
+        ..EngineOptions::default()
+    };
+    let mut engine = Engine::new(&cfg, model, tiers, opts).map_err(CliError::Runtime)?;
+    engine.set_threads(a.threads);
     let sampling = match a.temperature {
         Some(t) => Sampling::TopP {
             temperature: t,
@@ -146,150 +199,246 @@ pub fn run(a: &RunArgs) -> Result<(), CliError> {
         None => Sampling::Greedy,
     };
     let system = tokens(a.seed, 1, a.system_tokens, vocab);
-    let total: u64 = (0..a.turns)
-        .map(|k| (a.tool_tokens * (k + 1) + a.user_tokens + a.decode_tokens) as u64)
-        .sum::<u64>()
-        * a.sessions as u64
-        + (a.system_tokens * a.sessions) as u64;
+    let turn_input = |i: usize, k: usize| -> Vec<u32> {
+        let mut v = if k == 0 { system.clone() } else { Vec::new() };
+        let tag = ((i as u64) << 32) | k as u64;
+        v.extend(tokens(a.seed, 2 + 2 * tag, a.tool_tokens * (k + 1), vocab));
+        v.extend(tokens(a.seed, 3 + 2 * tag, a.user_tokens, vocab));
+        v
+    };
+    let spec = |i: usize, k: usize| RequestSpec {
+        tokens: turn_input(i, k),
+        max_new_tokens: a.decode_tokens.max(1),
+        sampling,
+        seed: a.seed ^ ((i as u64) << 20) ^ k as u64,
+    };
+
+    let total = (a.sessions * a.turns) as u64;
     let bar = ProgressBar::new(total);
     bar.set_style(
         ProgressStyle::with_template(
-            "{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} tokens {msg}",
+            "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} turns {msg}",
         )
         .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
-    let window = model.window();
-    let mut sessions: Vec<Session> = (0..a.sessions)
-        .map(|_| Session {
-            store: model.new_store(Some(window)),
-            turn: 0,
-        })
+    let sessions: Vec<SessionId> = (0..a.sessions)
+        .map(|_| engine.open_session("agent"))
         .collect();
-    let mut st = Stats::default();
-    let mut rng = a.seed | 1;
-    let mut uniform = move || {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        (rng >> 40) as f32 / (1u64 << 24) as f32
-    };
-    for turn in 0..a.turns {
-        // Prefill every session's new input, then decode all sessions round-robin.
-        let mut next: Vec<u32> = Vec::with_capacity(a.sessions);
-        for (i, s) in sessions.iter_mut().enumerate() {
-            bar.set_message(format!("turn {} session {i}: prefill", turn + 1));
-            let mut input = Vec::new();
-            if s.turn == 0 {
-                input.extend_from_slice(&system);
+    // Which session each request belongs to, and each session's next turn.
+    let mut owner = std::collections::HashMap::new();
+    let mut next_turn = vec![0usize; a.sessions];
+    let mut arrived = 0usize;
+    let start = Instant::now();
+    if a.sessions > 0 && a.turns > 0 {
+        let id = engine
+            .submit(sessions[0], spec(0, 0))
+            .map_err(CliError::Runtime)?;
+        owner.insert(id, 0usize);
+        next_turn[0] = 1;
+        arrived = 1;
+    }
+    let mut failures = Vec::new();
+    while !engine.is_idle() {
+        let events = engine.step().map_err(CliError::Runtime)?;
+        for ev in events {
+            match ev {
+                Event::FirstToken { request, .. } => {
+                    // The next session arrives once the previous one is being served.
+                    if owner.get(&request) == Some(&(arrived - 1)) && arrived < a.sessions {
+                        let i = arrived;
+                        let id = engine
+                            .submit(sessions[i], spec(i, 0))
+                            .map_err(CliError::Runtime)?;
+                        owner.insert(id, i);
+                        next_turn[i] = 1;
+                        arrived += 1;
+                    }
+                }
+                Event::Finished(c) => {
+                    bar.inc(1);
+                    let i = owner.get(&c.request).copied().unwrap_or(0);
+                    if next_turn[i] < a.turns {
+                        let k = next_turn[i];
+                        let id = engine
+                            .submit(sessions[i], spec(i, k))
+                            .map_err(CliError::Runtime)?;
+                        owner.insert(id, i);
+                        next_turn[i] += 1;
+                    }
+                }
+                Event::Failed { request, error } => {
+                    bar.inc(1);
+                    failures.push(format!("request {}: {error}", request.0));
+                }
+                Event::Token { .. } => {}
             }
-            let tag = ((i as u64) << 32) | turn as u64;
-            input.extend(tokens(
-                a.seed,
-                2 + 2 * tag,
-                a.tool_tokens * (turn + 1),
-                vocab,
-            ));
-            input.extend(tokens(a.seed, 3 + 2 * tag, a.user_tokens, vocab));
-            let reused = s.store_len();
-            let t = Instant::now();
-            let logits = model
-                .prefill(&mut s.store, &input, mode, a.chunk)
-                .map_err(CliError::Model)?;
-            let tok = sample(&logits, sampling, uniform()).unwrap_or(0) as u32;
-            let dt = t.elapsed();
-            st.prefill_tokens += input.len() as u64;
-            st.prefill_time += dt;
-            st.reused_tokens += reused;
-            if reused == 0 {
-                st.ttft_cold.push(dt);
-            } else {
-                st.ttft_warm.push(dt);
-            }
-            s.turn += 1;
-            next.push(tok);
-            bar.inc(input.len() as u64);
         }
-        bar.set_message(format!("turn {}: decode", turn + 1));
-        for _ in 0..a.decode_tokens {
-            for (s, tok) in sessions.iter_mut().zip(next.iter_mut()) {
-                let t = Instant::now();
-                let logits = model.decode(&mut s.store, *tok).map_err(CliError::Model)?;
-                *tok = sample(&logits, sampling, uniform()).unwrap_or(0) as u32;
-                st.decode_time += t.elapsed();
-                st.decode_tokens += 1;
-                bar.inc(1);
-            }
+        let st = engine.stats();
+        bar.set_message(format!(
+            "prefill {:.0} tok/s, decode {:.1} tok/s, from SSD {} tokens",
+            st.prefill_rate(),
+            st.decode_rate(),
+            st.ssd_tokens
+        ));
+    }
+    engine.flush().map_err(CliError::Runtime)?;
+    let wall = start.elapsed();
+    bar.finish_and_clear();
+    let summary = summarize(a, &engine, wall, units_at_start);
+    let pool = engine.tiers().map(|t| t.pool().stats());
+    let store = engine.tiers().map(|t| t.store().stats());
+    engine.close().map_err(CliError::Runtime)?;
+    let mut out = std::io::stdout().lock();
+    if a.json {
+        let text = serde_json::to_string_pretty(&summary).map_err(CliError::Json)?;
+        writeln!(out, "{text}").map_err(CliError::Stdout)?;
+    } else {
+        let s = &summary;
+        let pct = |n: u64| 100.0 * n as f64 / s.context_tokens.max(1) as f64;
+        let mut lines = vec![
+            format!(
+                "model: built-in kvstack-tiny-v4.1 (40 layers, the CSA2 plan of V4.1-Flash, head dim 512, index 32 x 128), seed {}, generated in {:.1} s; {} expert thread(s); prefill {:?}, chunk {}",
+                a.seed,
+                load.as_secs_f64(),
+                a.threads,
+                a.prefill,
+                a.chunk
+            ),
+            format!(
+                "workload: {} sessions x {} turns (one tenant), shared system prompt {} tokens, tool outputs {}..{} tokens, user {} tokens, {} generated per turn; sessions {}",
+                a.sessions,
+                a.turns,
+                a.system_tokens,
+                a.tool_tokens,
+                a.tool_tokens * a.turns,
+                a.user_tokens,
+                a.decode_tokens,
+                if a.keep_live {
+                    "stay live between turns"
+                } else {
+                    "release their cache between turns"
+                }
+            ),
+            format!(
+                "served {} requests ({} failed) in {:.1} s",
+                s.requests, s.failed, s.wall_seconds
+            ),
+            format!(
+                "prefill: {:.1} tokens/s ({} rows incl. replay); decode: {:.1} tokens/s ({} tokens, mean batch {:.2} sequences)",
+                s.prefill_tokens_per_s,
+                s.computed_tokens + s.replayed_tokens,
+                s.decode_tokens_per_s,
+                s.decode_tokens,
+                s.mean_decode_batch
+            ),
+            format!(
+                "context tokens: {} = live sessions {} ({:.1}%) + DRAM paged cache {} ({:.1}%) + SSD {} ({:.1}%) + computed {} ({:.1}%); windows from the DRAM pool {}, replayed {} tokens",
+                s.context_tokens,
+                s.live_tokens,
+                pct(s.live_tokens),
+                s.dram_cache_tokens,
+                pct(s.dram_cache_tokens),
+                s.ssd_tokens,
+                pct(s.ssd_tokens),
+                s.computed_tokens,
+                pct(s.computed_tokens),
+                s.pool_windows,
+                s.replayed_tokens
+            ),
+            format!(
+                "cache: {:.1} global KV + index bytes per token measured over finished sequences (spec: 890); DRAM paged cache {:.1} MB allocated",
+                s.measured_bytes_per_token,
+                s.dram_cache_bytes as f64 / 1e6
+            ),
+        ];
+        match (&store, &pool) {
+            (Some(st), Some(p)) => lines.push(format!(
+                "tiers: SSD {} units ({} at start, recovered in {:.2} s), {} blocks, {:.1} MB live, {:.1} MB read this run ({:?} engine); DRAM window pool {} snapshots, {:.1} MB; {} units persisted, {} refused",
+                st.units,
+                s.ssd_units_at_start,
+                recovery,
+                st.blocks,
+                st.live_bytes as f64 / 1e6,
+                s.ssd_read_bytes as f64 / 1e6,
+                st.engine.kind,
+                p.entries,
+                p.committed_bytes as f64 / 1e6,
+                s.units_persisted,
+                s.persist_failures
+            )),
+            _ => lines.push("tiers: off (--no-tiers)".into()),
+        }
+        let mut ttft = String::from(
+            "time to first token (from arrival, waiting behind other sessions' steps included):",
+        );
+        for t in &s.ttft_ms {
+            ttft.push_str(&format!(
+                " {} {:.1} ms ({} requests);",
+                t.reuse.label(),
+                t.mean_ms,
+                t.requests
+            ));
+        }
+        lines.push(ttft.trim_end_matches(';').to_owned());
+        lines.push(format!(
+            "data directory: {} (run again to serve these prefixes from SSD)",
+            a.data_dir.display()
+        ));
+        for l in lines {
+            writeln!(out, "{l}").map_err(CliError::Stdout)?;
         }
     }
-    bar.finish_and_clear();
-    let tokens_held: u64 = sessions.iter().map(|s| s.store_len()).sum();
-    let bytes: u64 = sessions
-        .iter()
-        .map(|s| global_bytes(&model, &s.store))
-        .sum();
-    let rate =
-        |n: u64, d: Duration| format!("{:.1} tokens/s", n as f64 / d.as_secs_f64().max(1e-9));
-    let mut out = std::io::stdout().lock();
-    let lines = [
-        format!(
-            "model: built-in kvstack-tiny-v4.1 (40 layers, CSA2 plan of V4.1-Flash, head dim 512), seed {}, generated in {:.1} s; {} expert thread(s); prefill {:?}",
-            a.seed,
-            load.as_secs_f64(),
-            a.threads,
-            mode
-        ),
-        format!(
-            "workload: {} sessions x {} turns, system prompt {} tokens, tool outputs {}..{} tokens, user {} tokens, {} generated per turn",
-            a.sessions,
-            a.turns,
-            a.system_tokens,
-            a.tool_tokens,
-            a.tool_tokens * a.turns,
-            a.user_tokens,
-            a.decode_tokens
-        ),
-        format!(
-            "prefill: {} tokens, {}",
-            st.prefill_tokens,
-            rate(st.prefill_tokens, st.prefill_time)
-        ),
-        format!(
-            "decode:  {} tokens, {} (sessions interleaved one token per step)",
-            st.decode_tokens,
-            rate(st.decode_tokens, st.decode_time)
-        ),
-        format!(
-            "tokens: computed {} (prefill) + {} (decode); reused from live sessions (DRAM) {}; from the DRAM window pool n/a; from SSD n/a",
-            st.prefill_tokens, st.decode_tokens, st.reused_tokens
-        ),
-        format!(
-            "cache: global KV + index keys {} B for {} tokens = {:.1} B/token measured (spec: 890); window rows {} B per session",
-            bytes,
-            tokens_held,
-            bytes as f64 / tokens_held.max(1) as f64,
-            model.dims().layers * window * model.attention().window_codec().bytes()
-        ),
-        "tiers: SSD bytes n/a, DRAM window pool bytes n/a (tiers not wired into run yet)"
-            .to_owned(),
-        format!(
-            "time to first token: without reuse {} (first turn of each session); with reuse of the live session {}; with a cached prefix from the tiers n/a",
-            mean(&st.ttft_cold),
-            mean(&st.ttft_warm)
-        ),
-        format!(
-            "data directory: {} (nothing persisted yet)",
-            a.data_dir.display()
-        ),
-    ];
-    for l in lines {
-        writeln!(out, "{l}").map_err(CliError::Stdout)?;
+    if !failures.is_empty() {
+        for f in &failures {
+            log::error!("{f}");
+        }
+        return Err(CliError::RunFailed {
+            failed: failures.len(),
+        });
     }
     Ok(())
 }
 
-impl Session {
-    fn store_len(&self) -> u64 {
-        use kvstack_runtime::attention::KvStore;
-        self.store.len()
+fn summarize(a: &RunArgs, engine: &Engine, wall: Duration, units_at_start: u64) -> Summary {
+    let st: &EngineStats = engine.stats();
+    let usage = engine.cache().usage();
+    Summary {
+        sessions: a.sessions,
+        turns: a.turns,
+        requests: st.requests,
+        failed: st.failed,
+        wall_seconds: wall.as_secs_f64(),
+        prefill_tokens_per_s: st.prefill_rate(),
+        decode_tokens_per_s: st.decode_rate(),
+        mean_decode_batch: st.decode_batch_rows as f64 / st.decode_steps.max(1) as f64,
+        context_tokens: st.context_tokens,
+        live_tokens: st.live_tokens,
+        dram_cache_tokens: st.mapped_tokens,
+        ssd_tokens: st.ssd_tokens,
+        ssd_read_bytes: st.ssd_bytes,
+        pool_windows: st.pool_windows,
+        replayed_tokens: st.replayed_tokens,
+        computed_tokens: st.computed_tokens,
+        decode_tokens: st.decode_tokens,
+        measured_bytes_per_token: st.finished_entry_bytes as f64 / st.finished_tokens.max(1) as f64,
+        dram_cache_bytes: usage.total_allocated_bytes(),
+        dram_pool_bytes: engine
+            .tiers()
+            .map_or(0, |t| t.pool().stats().committed_bytes),
+        ssd_live_bytes: engine.tiers().map_or(0, |t| t.store().stats().live_bytes),
+        ssd_units: engine.tiers().map_or(0, |t| t.store().stats().units),
+        ssd_units_at_start: units_at_start,
+        units_persisted: st.units_persisted,
+        persist_failures: st.persist_failures,
+        ttft_ms: ReuseKind::ALL
+            .iter()
+            .filter_map(|&k| {
+                st.mean_ttft(k).map(|(d, n)| TtftLine {
+                    reuse: k,
+                    requests: n,
+                    mean_ms: ms(d),
+                })
+            })
+            .collect(),
     }
 }

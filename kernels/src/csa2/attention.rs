@@ -26,6 +26,10 @@ pub enum KeyRow<'a> {
     Window(&'a [u8]),
     /// An FP4 compressed entry.
     Compressed(&'a [u8]),
+    /// A row already decoded with [`AttentionShape::decode_row`] (prefill decodes each key
+    /// once per step instead of once per query; the values, and so the results, are the
+    /// same).
+    Decoded(&'a [f32]),
 }
 
 /// Shapes and codecs of the attention of one layer.
@@ -70,10 +74,21 @@ impl AttentionShape {
         self.compressed
     }
 
+    /// Decodes a key row to `head_dim` f32 values with the fast codec (what
+    /// [`SparseAttention::run`] does for each quantized key).
+    pub fn decode_row(&self, key: KeyRow<'_>, out: &mut [f32]) -> Result<(), Error> {
+        self.decode(key, out, false)
+    }
+
     fn decode(&self, key: KeyRow<'_>, out: &mut [f32], reference: bool) -> Result<(), Error> {
         let (codec, bytes) = match key {
             KeyRow::Window(b) => (self.window, b),
             KeyRow::Compressed(b) => (self.compressed, b),
+            KeyRow::Decoded(v) => {
+                check_len("decoded key row [head_dim]", out.len(), v.len())?;
+                out.copy_from_slice(v);
+                return Ok(());
+            }
         };
         if reference {
             codec.dequantize_ref(bytes, out)
@@ -172,10 +187,29 @@ impl SparseAttention {
         for (h, &s) in self.heads.iter_mut().zip(sinks) {
             h.reset(s);
         }
+        let avx2 = crate::level::detected_level() != crate::level::SimdLevel::Portable;
         for key in keys {
-            shape.decode(key, &mut self.row, false)?;
-            for (qh, acc) in q.chunks_exact(d).zip(self.heads.iter_mut()) {
-                acc.push(dot8(qh, &self.row) * shape.scale, &self.row);
+            let row: &[f32] = match key {
+                KeyRow::Decoded(v) => {
+                    check_len("decoded key row [head_dim]", d, v.len())?;
+                    v
+                }
+                _ => {
+                    shape.decode(key, &mut self.row, false)?;
+                    &self.row
+                }
+            };
+            if avx2 {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: `detected_level` reports AVX2 (or better) only when the CPU has
+                // AVX2 and FMA, the features `key_step_avx2` is compiled for.
+                unsafe {
+                    key_step_avx2(q, row, shape.scale, &mut self.heads);
+                }
+                #[cfg(not(target_arch = "x86_64"))]
+                key_step(q, row, shape.scale, &mut self.heads);
+            } else {
+                key_step(q, row, shape.scale, &mut self.heads);
             }
         }
         for (acc, oh) in self.heads.iter().zip(out.chunks_exact_mut(d)) {
@@ -185,8 +219,60 @@ impl SparseAttention {
     }
 }
 
+/// One key for every head: the logit `q_h . row * scale`, pushed with the value `row` (the
+/// same key, V = K).
+#[inline(always)]
+fn key_step(q: &[f32], row: &[f32], scale: f32, heads: &mut [OnlineSoftmax]) {
+    let d = row.len();
+    for (qh, acc) in q.chunks_exact(d.max(1)).zip(heads.iter_mut()) {
+        acc.push(dot8(qh, row) * scale, row);
+    }
+}
+
+/// [`key_step`] compiled for AVX2: the same operations in the same order on wider vectors
+/// (Rust never fuses a multiply and an add on its own), so the results are bit-identical to
+/// the baseline build's.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn key_step_avx2(q: &[f32], row: &[f32], scale: f32, heads: &mut [OnlineSoftmax]) {
+    let d = row.len();
+    for (qh, acc) in q.chunks_exact(d.max(1)).zip(heads.iter_mut()) {
+        acc.push(dot8_avx2(qh, row) * scale, row);
+    }
+}
+
+/// [`dot8`] with AVX2 intrinsics: lane `i` of the accumulator is `dot8`'s `acc[i]`, updated
+/// with a separate multiply and add (no FMA) in the same order, and reduced the same way, so
+/// the result is bit-identical.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn dot8_avx2(a: &[f32], b: &[f32]) -> f32 {
+    use std::arch::x86_64::{
+        _mm256_add_ps, _mm256_loadu_ps, _mm256_mul_ps, _mm256_setzero_ps, _mm256_storeu_ps,
+    };
+    let (ac, ar) = a.as_chunks::<8>();
+    let (bc, br) = b.as_chunks::<8>();
+    let mut v = _mm256_setzero_ps();
+    for (x, y) in ac.iter().zip(bc) {
+        // SAFETY: `x` and `y` are arrays of 8 f32, exactly one unaligned 256-bit load each.
+        let (xv, yv) = unsafe { (_mm256_loadu_ps(x.as_ptr()), _mm256_loadu_ps(y.as_ptr())) };
+        v = _mm256_add_ps(v, _mm256_mul_ps(xv, yv));
+    }
+    let mut acc = [0f32; 8];
+    // SAFETY: `acc` holds 8 f32, one unaligned 256-bit store.
+    unsafe { _mm256_storeu_ps(acc.as_mut_ptr(), v) };
+    let mut tail = 0f32;
+    for (x, y) in ar.iter().zip(br) {
+        tail += x * y;
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+}
+
 /// f32 dot with eight partial sums (vectorizable).
-#[inline]
+#[inline(always)]
 fn dot8(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let (ac, ar) = a.as_chunks::<8>();

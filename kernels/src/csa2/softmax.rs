@@ -56,7 +56,7 @@ impl OnlineSoftmax {
 
     /// Adds a column with `logit` and `value` (`value.len()` is the accumulator's width).
     /// A `-inf` logit (a masked key) contributes nothing.
-    #[inline]
+    #[inline(always)]
     pub fn push(&mut self, logit: f32, value: &[f32]) {
         if logit > self.max {
             let scale = (self.max - logit).exp();

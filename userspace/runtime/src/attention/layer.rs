@@ -668,11 +668,70 @@ impl Csa2Attention {
         )?;
         let mut out = vec![0f32; n * d.q_width()];
         let mut attn = SparseAttention::new(self.shape);
-        let mut keys: Vec<KeyRow<'a>> = Vec::new();
         let win = d.window as u64;
+        let hd = d.head_dim;
+        // A step of several queries decodes each key once: the window rows the step reads
+        // (one contiguous range) and every selected entry, into f32 rows the queries share.
+        let (mut wdec, mut wlo) = (Vec::new(), 0u64);
+        let mut edec: Vec<f32> = Vec::new();
+        let mut eslot: Vec<u32> = Vec::new();
+        if n > 1 {
+            wlo = (positions[0] + 1).saturating_sub(win).max(window_start);
+            let whi = positions[n - 1];
+            if whi >= wlo {
+                wdec = vec![0f32; (whi - wlo + 1) as usize * hd];
+                for (p, row) in (wlo..=whi).zip(wdec.chunks_exact_mut(hd)) {
+                    let bytes = window(p).ok_or_else(|| Error::State {
+                        layer,
+                        reason: format!(
+                            "window row of position {p} (queries {}..={whi}) is not available",
+                            positions[0]
+                        ),
+                    })?;
+                    self.shape
+                        .decode_row(KeyRow::Window(bytes), row)
+                        .map_err(kernel(layer, "sparse attention"))?;
+                }
+            }
+            if let Some(tk) = topk {
+                for (i, &t) in positions.iter().enumerate() {
+                    let row = tk.row(i).ok_or_else(|| Error::State {
+                        layer,
+                        reason: format!("top-k of layer {} has no row for token {i}", tk.source),
+                    })?;
+                    for &j in row.iter().filter(|&&j| j >= 0) {
+                        let j = j as usize;
+                        if j >= eslot.len() {
+                            eslot.resize(j + 1, u32::MAX);
+                        }
+                        if eslot[j] != u32::MAX {
+                            continue;
+                        }
+                        let e = entry(j as u64).ok_or_else(|| Error::State {
+                            layer,
+                            reason: format!(
+                                "compressed entry {j} selected for query {t} is not in the store"
+                            ),
+                        })?;
+                        let at = edec.len();
+                        eslot[j] = (at / hd) as u32;
+                        edec.resize(at + hd, 0.0);
+                        self.shape
+                            .decode_row(KeyRow::Compressed(e), &mut edec[at..])
+                            .map_err(kernel(layer, "sparse attention"))?;
+                    }
+                }
+            }
+        }
+        let mut keys: Vec<KeyRow<'_>> = Vec::new();
         for (i, &t) in positions.iter().enumerate() {
             keys.clear();
             for p in (t + 1).saturating_sub(win).max(window_start)..=t {
+                if n > 1 {
+                    let k = (p - wlo) as usize;
+                    keys.push(KeyRow::Decoded(&wdec[k * hd..(k + 1) * hd]));
+                    continue;
+                }
                 let row = window(p).ok_or_else(|| Error::State {
                     layer,
                     reason: format!("window row of position {p} (query {t}) is not available"),
@@ -685,6 +744,11 @@ impl Csa2Attention {
                     reason: format!("top-k of layer {} has no row for token {i}", tk.source),
                 })?;
                 for &j in row.iter().filter(|&&j| j >= 0) {
+                    if n > 1 {
+                        let k = eslot[j as usize] as usize;
+                        keys.push(KeyRow::Decoded(&edec[k * hd..(k + 1) * hd]));
+                        continue;
+                    }
                     let e = entry(j as u64).ok_or_else(|| Error::State {
                         layer,
                         reason: format!(

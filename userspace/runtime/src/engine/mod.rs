@@ -811,6 +811,10 @@ impl Engine {
         };
         let total = r.submitted.elapsed();
         let keep = self.opts.keep_live;
+        if let Some(u) = r.seq.and_then(|q| self.cache.sequence_usage(q).ok()) {
+            self.stats.finished_tokens += u.tokens;
+            self.stats.finished_entry_bytes += u.global_entry_bytes + u.index_entry_bytes;
+        }
         if let Some(s) = self.sessions.get_mut(&r.session) {
             s.history.clone_from(&r.all);
             s.history.extend_from_slice(&r.generated);

@@ -106,6 +106,11 @@ pub struct EngineStats {
     pub persist_failures: u64,
     /// Restores cut short by a damaged block.
     pub damaged_restores: u64,
+    /// Tokens of finished requests' sequences.
+    pub finished_tokens: u64,
+    /// Bytes of their global entries and indexer keys (measured bytes/token = this /
+    /// `finished_tokens`).
+    pub finished_entry_bytes: u64,
     /// Time to first token per kind of reuse.
     pub ttft: Vec<(ReuseKind, Duration)>,
 }
