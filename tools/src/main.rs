@@ -6,6 +6,7 @@
 
 mod bench;
 mod bench_attention;
+mod bench_runtime;
 mod bench_tiers;
 mod calc;
 mod codec;
@@ -149,6 +150,10 @@ enum BenchWhich {
     /// CSA2 decode kernels (indexer scan, top-k, sparse attention) at the real dimensions, with
     /// 1 and 2 threads, vs memory bandwidth and SIMD peaks measured in the same run.
     Attention(bench_attention::AttentionArgs),
+    /// The serving engine on the built-in model: prefill and decode tokens/s per thread
+    /// count, time to first token of a 32,768-token prompt with its prefix cached (window in
+    /// DRAM, and window replayed) vs computed from scratch in the same run, CED vs exact.
+    Runtime(bench_runtime::RuntimeArgs),
 }
 
 fn run(cli: Cli) -> Result<(), CliError> {
@@ -181,6 +186,9 @@ fn run(cli: Cli) -> Result<(), CliError> {
         Command::Bench {
             which: BenchWhich::Attention(args),
         } => bench_attention::run(&args),
+        Command::Bench {
+            which: BenchWhich::Runtime(args),
+        } => bench_runtime::run(&args),
         Command::Store { op } => store::run(&op),
     }
 }

@@ -238,10 +238,62 @@ fn key_step(q: &[f32], row: &[f32], scale: f32, heads: &mut [OnlineSoftmax]) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn key_step_avx2(q: &[f32], row: &[f32], scale: f32, heads: &mut [OnlineSoftmax]) {
-    let d = row.len();
-    for (qh, acc) in q.chunks_exact(d.max(1)).zip(heads.iter_mut()) {
+    let d = row.len().max(1);
+    let mut groups = heads.chunks_exact_mut(4);
+    let mut at = 0;
+    for g in &mut groups {
+        // Four heads at once: four independent add chains instead of one.
+        let dots = dot8x4_avx2(&q[at..at + 4 * d], row);
+        for (acc, dot) in g.iter_mut().zip(dots) {
+            acc.push(dot * scale, row);
+        }
+        at += 4 * d;
+    }
+    for (qh, acc) in q[at..]
+        .chunks_exact(d)
+        .zip(groups.into_remainder().iter_mut())
+    {
         acc.push(dot8_avx2(qh, row) * scale, row);
     }
+}
+
+/// [`dot8`] of four consecutive `b.len()`-wide rows of `a` with `b`, each bit-identical to
+/// [`dot8_avx2`] (the same lanes, order and reduction per row; the rows only interleave).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn dot8x4_avx2(a: &[f32], b: &[f32]) -> [f32; 4] {
+    use std::arch::x86_64::{
+        _mm256_add_ps, _mm256_loadu_ps, _mm256_mul_ps, _mm256_setzero_ps, _mm256_storeu_ps,
+    };
+    let d = b.len();
+    let (bc, br) = b.as_chunks::<8>();
+    let rows: [&[f32]; 4] = [&a[..d], &a[d..2 * d], &a[2 * d..3 * d], &a[3 * d..4 * d]];
+    let chunks = rows.map(|r| r.as_chunks::<8>().0);
+    let mut v = [_mm256_setzero_ps(); 4];
+    for (c, y) in bc.iter().enumerate() {
+        // SAFETY: `y` and each `chunks[k][c]` are arrays of 8 f32 (one unaligned load each;
+        // every row has as many whole chunks as `b`).
+        unsafe {
+            let yv = _mm256_loadu_ps(y.as_ptr());
+            for (vk, ck) in v.iter_mut().zip(&chunks) {
+                *vk = _mm256_add_ps(*vk, _mm256_mul_ps(_mm256_loadu_ps(ck[c].as_ptr()), yv));
+            }
+        }
+    }
+    let mut out = [0f32; 4];
+    for ((o, vk), r) in out.iter_mut().zip(v).zip(rows) {
+        let mut acc = [0f32; 8];
+        // SAFETY: `acc` holds 8 f32, one unaligned 256-bit store.
+        unsafe { _mm256_storeu_ps(acc.as_mut_ptr(), vk) };
+        let mut tail = 0f32;
+        for (x, y) in r[bc.len() * 8..].iter().zip(br) {
+            tail += x * y;
+        }
+        *o = ((acc[0] + acc[4]) + (acc[1] + acc[5]))
+            + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
+            + tail;
+    }
+    out
 }
 
 /// [`dot8`] with AVX2 intrinsics: lane `i` of the accumulator is `dot8`'s `acc[i]`, updated
@@ -287,4 +339,49 @@ fn dot8(a: &[f32], b: &[f32]) -> f32 {
         tail += x * y;
     }
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use super::*;
+
+    /// The AVX2 key loop (heads in groups of four, then the rest) gives exactly the portable
+    /// loop's bits, for head counts with and without a remainder and a width with a tail.
+    #[test]
+    fn avx2_key_step_is_bit_identical_to_the_portable_one() {
+        if !crate::level::SimdLevel::Avx2.is_available() {
+            return;
+        }
+        let mut x = 0x2545_f491_u64;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            ((x >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
+        };
+        for (heads, d) in [(4usize, 512usize), (6, 64), (3, 36), (9, 520)] {
+            let q: Vec<f32> = (0..heads * d).map(|_| next()).collect();
+            let mut a: Vec<OnlineSoftmax> =
+                (0..heads).map(|_| OnlineSoftmax::new(d, 0.5)).collect();
+            let mut b = a.clone();
+            for _ in 0..40 {
+                let row: Vec<f32> = (0..d).map(|_| next()).collect();
+                key_step(&q, &row, 0.125, &mut a);
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: AVX2 and FMA were checked above.
+                unsafe {
+                    key_step_avx2(&q, &row, 0.125, &mut b);
+                }
+            }
+            for (h, (x, y)) in a.iter().zip(&b).enumerate() {
+                let (mut ox, mut oy) = (vec![0f32; d], vec![0f32; d]);
+                x.finish(&mut ox).unwrap();
+                y.finish(&mut oy).unwrap();
+                let same = ox.iter().zip(&oy).all(|(p, q)| p.to_bits() == q.to_bits());
+                assert!(same, "heads {heads}, width {d}: head {h} differs");
+            }
+        }
+    }
 }

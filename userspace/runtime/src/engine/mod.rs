@@ -33,6 +33,7 @@
 //! Persist failures (a full store, a full queue) are counted and logged, never fatal: the
 //! tiers are a cache.
 
+pub mod bench;
 mod stats;
 
 use std::collections::{BTreeMap, HashMap};
@@ -64,6 +65,9 @@ pub struct EngineOptions {
     /// new tokens); `false` releases it once its units are persisted, and the next turn finds
     /// them through the tiers (agents waiting on tools hold no cache).
     pub keep_live: bool,
+    /// Keep each request's first-token logits in its [`Completion`] (benchmarks compare
+    /// them across kinds of reuse).
+    pub keep_first_logits: bool,
 }
 
 impl Default for EngineOptions {
@@ -74,6 +78,7 @@ impl Default for EngineOptions {
             max_decode_batch: 32,
             cache: CacheOptions::default(),
             keep_live: true,
+            keep_first_logits: false,
         }
     }
 }
@@ -116,6 +121,9 @@ pub struct Completion {
     pub ttft: Duration,
     /// Submission to the last token.
     pub total: Duration,
+    /// The logits the first token was sampled from, with
+    /// [`EngineOptions::keep_first_logits`].
+    pub first_logits: Option<Vec<f32>>,
 }
 
 /// What a step produced.
@@ -183,6 +191,7 @@ struct Request {
     reuse: Reuse,
     submitted: Instant,
     first_token: Option<Duration>,
+    first_logits: Option<Vec<f32>>,
     /// Units are persisted up to here.
     persisted: u64,
 }
@@ -381,6 +390,7 @@ impl Engine {
                 reuse: Reuse::default(),
                 submitted: Instant::now(),
                 first_token: None,
+                first_logits: None,
                 persisted: 0,
             },
         );
@@ -751,6 +761,9 @@ impl Engine {
                     let ttft = r.submitted.elapsed();
                     r.first_token = Some(ttft);
                     r.generated.push(token);
+                    if self.opts.keep_first_logits {
+                        r.first_logits = Some(logits);
+                    }
                     r.phase = Phase::Decode;
                     self.stats.record_ttft(r.reuse.kind, ttft);
                     events.push(Event::FirstToken {
@@ -834,6 +847,7 @@ impl Engine {
             reuse: r.reuse,
             ttft: r.first_token.unwrap_or(total),
             total,
+            first_logits: r.first_logits,
         }));
     }
 
@@ -872,6 +886,16 @@ impl Engine {
             t.flush()?;
         }
         Ok(())
+    }
+
+    /// Hands the tiers back (flushed), dropping the engine's cache: a new engine over the same
+    /// tiers starts with an empty paged cache (benchmarks use it to force SSD reads).
+    ///
+    /// # Errors
+    /// The store's flush errors.
+    pub fn into_tiers(self) -> Result<Option<Tiers>> {
+        self.flush()?;
+        Ok(self.tiers)
     }
 
     /// Flushes and closes the tiers.

@@ -1,0 +1,86 @@
+//! `kvstack bench runtime`.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use clap::Args;
+use kvstack_runtime::engine::bench::{RuntimeBenchOptions, run_runtime_bench};
+use kvstack_runtime::model::PrefillMode;
+
+use crate::error::CliError;
+use crate::run::ModeArg;
+
+/// Arguments of `kvstack bench runtime`.
+#[derive(Args)]
+pub struct RuntimeArgs {
+    /// Data directory on the SSD (the bench works in a subdirectory it removes).
+    #[arg(long, value_name = "D", default_value = "kvstack-data")]
+    dir: PathBuf,
+    /// Tokens of the long prompt of the time-to-first-token runs.
+    #[arg(long, value_name = "N", default_value_t = 32_768)]
+    tokens: usize,
+    /// Of those, new tokens after the cached prefix.
+    #[arg(long, value_name = "N", default_value_t = 64)]
+    suffix: usize,
+    /// Thread counts of the throughput runs (the TTFT runs use the largest).
+    #[arg(
+        long,
+        value_name = "N,..",
+        value_delimiter = ',',
+        default_value = "1,2"
+    )]
+    threads: Vec<usize>,
+    /// Prompt tokens of the prefill throughput run.
+    #[arg(long, value_name = "N", default_value_t = 2048)]
+    prefill_tokens: usize,
+    /// Sequences decoding together in the decode throughput run.
+    #[arg(long, value_name = "N", default_value_t = 4)]
+    decode_sessions: usize,
+    /// Tokens each of them decodes.
+    #[arg(long, value_name = "N", default_value_t = 32)]
+    decode_tokens: usize,
+    /// Prompt tokens of the CED vs exact comparison (0 skips it).
+    #[arg(long, value_name = "N", default_value_t = 1024)]
+    ced_tokens: usize,
+    /// Prefill mode of the engine runs.
+    #[arg(long, value_enum, default_value = "ced")]
+    prefill: ModeArg,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Runs `kvstack bench runtime`. Exits non-zero when a cached TTFT misses its target.
+pub fn run(a: &RuntimeArgs) -> Result<(), CliError> {
+    let mut o = RuntimeBenchOptions::new(a.dir.clone());
+    o.tokens = a.tokens.max(2);
+    o.suffix = a.suffix.max(1);
+    o.threads = a.threads.clone();
+    o.prefill_tokens = a.prefill_tokens.max(1);
+    o.decode_sessions = a.decode_sessions.max(1);
+    o.decode_tokens = a.decode_tokens.max(1);
+    o.ced_tokens = a.ced_tokens;
+    o.prefill = match a.prefill {
+        ModeArg::Exact => PrefillMode::Exact,
+        ModeArg::Ced => PrefillMode::Ced,
+    };
+    let quiet = a.json;
+    let report = run_runtime_bench(&o, |stage| {
+        if !quiet {
+            eprintln!("  {stage} ...");
+        }
+    })
+    .map_err(CliError::Runtime)?;
+    let mut out = std::io::stdout().lock();
+    if a.json {
+        let text = serde_json::to_string_pretty(&report).map_err(CliError::Json)?;
+        writeln!(out, "{text}").map_err(CliError::Stdout)?;
+    } else {
+        write!(out, "{report}").map_err(CliError::Stdout)?;
+    }
+    if report.meets_targets() {
+        Ok(())
+    } else {
+        Err(CliError::TargetsMissed(report.failures.join("; ")))
+    }
+}
