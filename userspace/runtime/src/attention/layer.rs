@@ -111,6 +111,8 @@ pub struct Csa2Attention {
     entry_codec: RowCodec,
     key_codec: Option<RowCodec>,
     output_shape: OutputShape,
+    /// Threads of a prefill step's attention (queries split between them).
+    threads: usize,
 }
 
 fn check_input(
@@ -171,6 +173,7 @@ impl Csa2Attention {
                 rank: dims.o_lora_rank,
                 hidden: dims.hidden,
             },
+            threads: 1,
             window_codec: shape.window_codec(),
             entry_codec: shape.compressed_codec(),
             key_codec,
@@ -198,6 +201,11 @@ impl Csa2Attention {
     /// The dimensions.
     pub fn dims(&self) -> &AttentionDims {
         &self.dims
+    }
+
+    /// Threads for the attention of a prefill step (at least 1); results do not depend on it.
+    pub fn set_threads(&mut self, threads: usize) {
+        self.threads = threads.max(1);
     }
 
     /// The layer plan.
@@ -723,15 +731,75 @@ impl Csa2Attention {
                 }
             }
         }
+        let qw = d.q_width();
+        if n > 1 {
+            // Every key is decoded: the queries are independent and may run on several threads.
+            let query = |i: usize, t: u64, attn: &mut SparseAttention, o: &mut [f32]| {
+                let mut keys: Vec<KeyRow<'_>> = Vec::with_capacity(d.window + d.index_topk);
+                for p in (t + 1).saturating_sub(win).max(window_start)..=t {
+                    let k = (p - wlo) as usize;
+                    keys.push(KeyRow::Decoded(&wdec[k * hd..(k + 1) * hd]));
+                }
+                if let Some(tk) = topk {
+                    let row = tk.row(i).ok_or_else(|| Error::State {
+                        layer,
+                        reason: format!("top-k of layer {} has no row for token {i}", tk.source),
+                    })?;
+                    for &j in row.iter().filter(|&&j| j >= 0) {
+                        let k = eslot[j as usize] as usize;
+                        keys.push(KeyRow::Decoded(&edec[k * hd..(k + 1) * hd]));
+                    }
+                }
+                attn.run(&q[i * qw..(i + 1) * qw], &w.sinks, keys, o)
+                    .map_err(kernel(layer, "sparse attention"))
+            };
+            // At least 8 queries per thread: fewer do not pay for the spawn.
+            let threads = self.threads.min(n / 8).max(1);
+            if threads == 1 {
+                for (i, (&t, o)) in positions.iter().zip(out.chunks_exact_mut(qw)).enumerate() {
+                    query(i, t, &mut attn, o)?;
+                }
+            } else {
+                let per = n.div_ceil(threads);
+                let query = &query;
+                let shape = self.shape;
+                let results: Vec<Result<(), Error>> = std::thread::scope(|s| {
+                    let handles: Vec<_> = out
+                        .chunks_mut(per * qw)
+                        .enumerate()
+                        .map(|(c, part)| {
+                            s.spawn(move || {
+                                let mut attn = SparseAttention::new(shape);
+                                for (k, o) in part.chunks_exact_mut(qw).enumerate() {
+                                    let i = c * per + k;
+                                    query(i, positions[i], &mut attn, o)?;
+                                }
+                                Ok(())
+                            })
+                        })
+                        .collect();
+                    handles
+                        .into_iter()
+                        .map(|h| {
+                            h.join().unwrap_or_else(|_| {
+                                Err(Error::State {
+                                    layer,
+                                    reason: "an attention worker thread panicked".into(),
+                                })
+                            })
+                        })
+                        .collect()
+                });
+                for r in results {
+                    r?;
+                }
+            }
+            return Ok(out);
+        }
         let mut keys: Vec<KeyRow<'_>> = Vec::new();
         for (i, &t) in positions.iter().enumerate() {
             keys.clear();
             for p in (t + 1).saturating_sub(win).max(window_start)..=t {
-                if n > 1 {
-                    let k = (p - wlo) as usize;
-                    keys.push(KeyRow::Decoded(&wdec[k * hd..(k + 1) * hd]));
-                    continue;
-                }
                 let row = window(p).ok_or_else(|| Error::State {
                     layer,
                     reason: format!("window row of position {p} (query {t}) is not available"),
@@ -744,11 +812,6 @@ impl Csa2Attention {
                     reason: format!("top-k of layer {} has no row for token {i}", tk.source),
                 })?;
                 for &j in row.iter().filter(|&&j| j >= 0) {
-                    if n > 1 {
-                        let k = eslot[j as usize] as usize;
-                        keys.push(KeyRow::Decoded(&edec[k * hd..(k + 1) * hd]));
-                        continue;
-                    }
                     let e = entry(j as u64).ok_or_else(|| Error::State {
                         layer,
                         reason: format!(
@@ -759,10 +822,10 @@ impl Csa2Attention {
                 }
             }
             attn.run(
-                &q[i * d.q_width()..(i + 1) * d.q_width()],
+                &q[i * qw..(i + 1) * qw],
                 &w.sinks,
                 keys.iter().copied(),
-                &mut out[i * d.q_width()..(i + 1) * d.q_width()],
+                &mut out[i * qw..(i + 1) * qw],
             )
             .map_err(kernel(layer, "sparse attention"))?;
         }

@@ -46,6 +46,7 @@ use crate::cache::{CacheOptions, KvCache, SequenceId};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::model::{BatchItem, Logits, Model, PrefillMode, PrefillStep};
+use crate::tiers::store::UnitTicket;
 use crate::tiers::{Tenant, Tiers};
 
 pub use stats::{EngineStats, Reuse, ReuseKind};
@@ -164,6 +165,9 @@ struct Session {
     /// The live sequence (holding `history[..len]`), when kept.
     seq: Option<SequenceId>,
     busy: Option<RequestId>,
+    /// Units of its last turns still being written: its next turn waits for them before the
+    /// lookup, so a released session finds its own latest unit.
+    pending_units: Vec<UnitTicket>,
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -281,6 +285,7 @@ impl Engine {
                 history: Vec::new(),
                 seq: None,
                 busy: None,
+                pending_units: Vec::new(),
             },
         );
         id
@@ -513,6 +518,18 @@ impl Engine {
             (seq, None)
         } else if let Some(tiers) = &self.tiers {
             let t = Instant::now();
+            let waits = self
+                .sessions
+                .get_mut(&session)
+                .map(|s| std::mem::take(&mut s.pending_units))
+                .unwrap_or_default();
+            for w in waits {
+                if let Err(e) = w.wait() {
+                    // The unit is lost; the lookup finds an earlier one.
+                    log::warn!("a unit of session {} failed: {e}", session.0);
+                    self.stats.persist_failures += 1;
+                }
+            }
             let cut = &all[..all.len() - 1];
             let hit = tiers.lookup(cut, &tenant);
             let restored = tiers.restore(&mut self.cache, cut, &hit)?;
@@ -800,14 +817,15 @@ impl Engine {
         };
         let Some(seq) = r.seq else { return };
         let Ok(len) = self.cache.len(seq) else { return };
-        let Some(s) = self.sessions.get(&r.session) else {
+        let Some(s) = self.sessions.get_mut(&r.session) else {
             return;
         };
         for p in tiers.unit_points(r.persisted, len, end_of_turn) {
             match tiers.persist(&self.cache, seq, &s.tenant, p) {
-                Ok(_) => {
+                Ok(ticket) => {
                     self.stats.units_persisted += 1;
                     r.persisted = p;
+                    s.pending_units.push(ticket);
                 }
                 Err(e) => {
                     self.stats.persist_failures += 1;
@@ -833,6 +851,11 @@ impl Engine {
             s.history.extend_from_slice(&r.generated);
             s.busy = None;
             s.seq = if keep { r.seq } else { None };
+            if keep {
+                // A live session never looks its units up; dropping a ticket does not cancel
+                // the write.
+                s.pending_units.clear();
+            }
         }
         if !keep && let Some(seq) = r.seq {
             // Its blocks stay in the prefix index (cached, evictable) for the tiers to map.

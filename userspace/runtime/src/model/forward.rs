@@ -254,9 +254,11 @@ impl Model {
         Model::load(&cfg, &file)
     }
 
-    /// Threads for the routed experts (at least 1).
+    /// Threads for the routed experts and for the attention of prefill steps (at least 1);
+    /// results do not depend on it.
     pub fn set_threads(&mut self, threads: usize) {
         self.threads = threads.max(1);
+        self.attn.set_threads(self.threads);
     }
 
     /// The dimensions.
