@@ -19,7 +19,8 @@
 //! Every stage is also a public method taking that stage's inputs, which is how
 //! `verify attention` feeds each stage the reference's own inputs.
 
-use kvstack_firmware_interface::EntryFormat;
+use kvstack_firmware_interface::{EntryFormat, IndexMxfp4Entry};
+use kvstack_kernels::attn as fast;
 use kvstack_kernels::csa2::attention::{AttentionShape, KeyRow, SparseAttention};
 use kvstack_kernels::csa2::candidates::{candidate_pool, mask_to_candidates};
 use kvstack_kernels::csa2::compress::CompressorState;
@@ -30,6 +31,7 @@ use kvstack_kernels::csa2::output::{OutputShape, grouped_output};
 use kvstack_kernels::csa2::quant::RowCodec;
 use kvstack_kernels::csa2::rope::Rope;
 use kvstack_kernels::csa2::topk::topk;
+use zerocopy::FromBytes;
 
 use crate::config::ModelConfig;
 use crate::plan::{LayerMode, LayerPlan, LayerSpec};
@@ -564,6 +566,22 @@ impl Csa2Attention {
             weights.len(),
         )?;
         let mut scores = vec![f32::NEG_INFINITY; n * width];
+        if d.index_heads == fast::INDEX_HEADS
+            && codec.dim() == fast::INDEX_DIM
+            && codec.bytes() == IndexMxfp4Entry::BYTES
+            && width > 0
+        {
+            self.index_scores_fast(
+                layer,
+                spec.compress_ratio,
+                q_rows,
+                weights,
+                positions,
+                key,
+                &mut scores,
+            )?;
+            return Ok(scores);
+        }
         for (i, &t) in positions.iter().enumerate() {
             let q = IndexQuery::new(
                 codec.layout(),
@@ -584,6 +602,98 @@ impl Csa2Attention {
             }
         }
         Ok(scores)
+    }
+
+    /// [`Csa2Attention::index_scores`] at the deployed indexer shape (32 heads of 128) with
+    /// the integer scan of `kvstack_kernels::attn`, whose scores are bit-identical to the
+    /// exact dots (its docs say why). The keys are gathered once per step; a step of several
+    /// queries splits them between threads, a single query splits its keys instead.
+    #[allow(clippy::too_many_arguments)]
+    fn index_scores_fast<'k>(
+        &self,
+        layer: usize,
+        ratio: u32,
+        q_rows: &[u8],
+        weights: &[f32],
+        positions: &[u64],
+        key: &dyn Fn(u64) -> Option<&'k [u8]>,
+        scores: &mut [f32],
+    ) -> Result<(), Error> {
+        let n = positions.len();
+        let width = scores.len() / n.max(1);
+        let heads = fast::INDEX_HEADS;
+        let fast_err = |e: fast::AttnError| Error::State {
+            layer,
+            reason: format!("indexer scan: {e}"),
+        };
+        let mut keys: Vec<IndexMxfp4Entry> = Vec::with_capacity(width);
+        for j in 0..width {
+            let k = key(j as u64)
+                .and_then(|b| IndexMxfp4Entry::read_from_bytes(b).ok())
+                .ok_or_else(|| Error::State {
+                    layer,
+                    reason: format!("index key {j} missing from the store"),
+                })?;
+            keys.push(k);
+        }
+        let paged = fast::Paged::contiguous(&keys);
+        let qb = heads * IndexMxfp4Entry::BYTES;
+        let score = |i: usize, t: u64, row: &mut [f32], threads: usize| -> Result<(), Error> {
+            let hq = <[IndexMxfp4Entry]>::ref_from_bytes(&q_rows[i * qb..(i + 1) * qb])
+                .ok()
+                .and_then(|h| <&[IndexMxfp4Entry; fast::INDEX_HEADS]>::try_from(h).ok());
+            let hw =
+                <&[f32; fast::INDEX_HEADS]>::try_from(&weights[i * heads..(i + 1) * heads]).ok();
+            let (Some(hq), Some(hw)) = (hq, hw) else {
+                return Err(Error::State {
+                    layer,
+                    reason: format!("index query {i} is not 32 MXFP4 heads"),
+                });
+            };
+            let q = fast::IndexQuery::new(hq, hw);
+            let visible = (Self::visible(ratio, t) as usize).min(width);
+            fast::indexer_scores(&q, paged, visible, threads, row).map_err(fast_err)
+        };
+        let threads = self.threads.min(n).max(1);
+        if n == 1 || threads == 1 {
+            for (i, (&t, row)) in positions
+                .iter()
+                .zip(scores.chunks_exact_mut(width))
+                .enumerate()
+            {
+                score(i, t, row, if n == 1 { self.threads } else { 1 })?;
+            }
+            return Ok(());
+        }
+        let per = n.div_ceil(threads);
+        let score = &score;
+        let results: Vec<Result<(), Error>> = std::thread::scope(|s| {
+            let handles: Vec<_> = scores
+                .chunks_mut(per * width)
+                .enumerate()
+                .map(|(c, part)| {
+                    s.spawn(move || {
+                        for (k, row) in part.chunks_exact_mut(width).enumerate() {
+                            let i = c * per + k;
+                            score(i, positions[i], row, 1)?;
+                        }
+                        Ok(())
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(Error::State {
+                            layer,
+                            reason: "an indexer worker thread panicked".into(),
+                        })
+                    })
+                })
+                .collect()
+        });
+        results.into_iter().collect()
     }
 
     /// Top-k rows (`[n, index_topk]`, canonical) of score rows `[n, width]`.
