@@ -14,7 +14,7 @@ use kvstack_driver::blockio::EnginePreference;
 use kvstack_firmware_interface::record::ALIGN;
 use kvstack_runtime::tiers::fsck::fsck;
 use kvstack_runtime::tiers::{
-    Error, HOUR_MS, ManualClock, ReadOutcome, StoreLocation, SystemClock, Tenant,
+    Clock, Error, HOUR_MS, ManualClock, ReadOutcome, StoreLocation, SystemClock, Tenant,
 };
 use tiers_common::*;
 
@@ -535,4 +535,205 @@ fn long_units_are_queued_in_parts_and_refused_whole() {
     let store = open(opts, c);
     assert_eq!(store.lookup(&model(), &t, &other, P).tokens, 0);
     assert_eq!(read_and_check(&store, &t, &long).0, long.len() as u64);
+}
+
+/// Tokens of unit `u` of round `round`: three families share two whole blocks, then a unique
+/// tail of varying length (every tenth unit long enough to be queued in parts).
+fn mixed_tokens(round: u32, u: u32) -> Vec<u32> {
+    let family = u % 3;
+    let len = if u % 10 == 9 {
+        30 * P + 6
+    } else {
+        2 * P + 2 + 2 * ((round * 7 + u * 5) % (3 * P as u32)) as usize
+    };
+    let mut t = unit_tokens(200 + family, 0, 2 * P, 2 * P);
+    t.extend((0..len - 2 * P).map(|i| 2_000_000 + round * 100_000 + u * 64 + i as u32));
+    t
+}
+
+/// A store kept at capacity for many rounds (writes refused, mostly-dead segments compacted,
+/// units evicted past retention when `retention_ms` allows it, prefixes read and so given
+/// units of their own, every use recorded at close by touch commits that themselves need
+/// room), reopened after every round: every unit used within its retention is still there,
+/// byte for byte. Returns (evicted, compacted, refused).
+fn full_store_cycles(
+    seed: u64,
+    retention: u64,
+    max_step_ms: u64,
+    sync_delay_ms: u64,
+) -> (u64, u64, u64) {
+    use rand::{Rng, SeedableRng};
+    use std::collections::HashMap;
+    let dir = TempDir::new("full-cycles");
+    let c = clock();
+    let t = Tenant::new("t");
+    let opts = || {
+        let mut o = small_opts(dir.path());
+        o.capacity_bytes = 12 * o.segment_bytes;
+        o.retention_ms = retention;
+        o.test_sync_delay_ms = sync_delay_ms;
+        o
+    };
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    // Unit -> last use the store has been told of.
+    let mut used: HashMap<(u32, u32), u64> = HashMap::new();
+    let mut totals = (0u64, 0u64, 0u64);
+    // Units the index held at the last close (whole units only: a prefix unit whose first
+    // commit was refused for lack of room is rightly forgotten).
+    let mut held: Vec<([u8; 32], u64)> = Vec::new();
+    for round in 0..10u32 {
+        let store = open(opts(), c.clone());
+        // Every unit read below is then due for a touch commit: a burst of them.
+        c.advance(HOUR_MS / 2);
+        let now = c.now_ms();
+        let recovered: std::collections::HashSet<[u8; 32]> =
+            store.units().into_iter().map(|(k, _, _)| k).collect();
+        for (k, last) in held.drain(..) {
+            // Only units past retention may be evicted, by the close's own writes.
+            if last + retention > now {
+                assert!(
+                    recovered.contains(&k),
+                    "seed {seed} round {round}: a unit held at close did not survive the restart"
+                );
+            }
+        }
+        let mut ids: Vec<(u32, u32)> = used.keys().copied().collect();
+        ids.sort_unstable();
+        for &(r, u) in &ids {
+            // A use is recorded on disk at most one touch interval late.
+            if used[&(r, u)] + retention > now + HOUR_MS / 2 {
+                let tok = mixed_tokens(r, u);
+                let (n, _) = read_and_check(&store, &t, &tok);
+                assert_eq!(
+                    n,
+                    tok.len() as u64,
+                    "seed {seed} round {round}: young unit {r}/{u} lost"
+                );
+                used.insert((r, u), c.now_ms());
+            }
+        }
+        // The burst of uses, written now rather than at close so its effect can be checked.
+        store.persist_uses().unwrap();
+        store.flush().unwrap();
+        store
+            .check_index()
+            .unwrap_or_else(|e| panic!("seed {seed} round {round}: {e}"));
+        assert_eq!(store.stats().failed_writes, 0, "seed {seed} round {round}");
+        for u in 0..160u32 {
+            c.advance(rng.random_range(0..max_step_ms));
+            let roll = rng.random_range(0..10);
+            if roll < 6 || ids.is_empty() {
+                let tok = mixed_tokens(round, u);
+                match put(&store, &t, &tok).and_then(|tk| tk.wait()) {
+                    Ok(()) => {
+                        used.insert((round, u), c.now_ms());
+                    }
+                    Err(Error::StoreFull { .. }) => {}
+                    Err(e) => panic!("{e}"),
+                }
+            } else {
+                let id = ids[rng.random_range(0..ids.len())];
+                let tok = mixed_tokens(id.0, id.1);
+                // A whole unit, or a prefix of it (which gets a unit of its own).
+                let cut = if roll < 9 {
+                    tok.len()
+                } else {
+                    P * rng.random_range(1..=tok.len() / P)
+                };
+                let (n, _) = read_and_check(&store, &t, &tok[..cut]);
+                if n == tok.len() as u64 {
+                    used.insert(id, c.now_ms());
+                }
+            }
+        }
+        store.persist_uses().unwrap();
+        store.flush().unwrap();
+        store
+            .check_index()
+            .unwrap_or_else(|e| panic!("seed {seed} round {round}: {e}"));
+        let s = store.stats();
+        assert_eq!(s.failed_writes, 0, "seed {seed} round {round}");
+        totals.0 += s.units_evicted;
+        totals.1 += s.segments_compacted;
+        totals.2 += s.refused_full;
+        held = store
+            .units()
+            .into_iter()
+            .filter(|&(_, tokens, _)| tokens % P as u64 != 0)
+            .map(|(k, _, last)| (k, last))
+            .collect();
+        if round % 2 == 0 {
+            store.close().unwrap();
+        } else {
+            drop(store);
+        }
+    }
+    assert!(fsck(&opts()).unwrap().clean());
+    totals
+}
+
+#[test]
+fn a_full_store_through_eviction_and_compaction_loses_nothing_young() {
+    let seeds: u64 = std::env::var("KVSTACK_FULL_SEEDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
+    for seed in 0..seeds {
+        // Retention short enough for eviction to take part.
+        let (evicted, compacted, refused) = full_store_cycles(seed, 6 * HOUR_MS, 20 * 60_000, 5);
+        eprintln!("seed {seed}: evicted {evicted}, compacted {compacted}, refused {refused}");
+        assert!(evicted > 0 && compacted > 0 && refused > 0);
+        // Nothing may be evicted: room comes from compaction alone, and the uses recorded
+        // at close compete with data for it.
+        let (evicted, compacted, refused) = full_store_cycles(seed, 72 * HOUR_MS, 60_000, 5);
+        eprintln!(
+            "seed {seed}, long retention: evicted {evicted}, compacted {compacted}, refused {refused}"
+        );
+        assert!(evicted == 0 && refused > 0);
+    }
+}
+
+/// A burst of uses written at capacity while the disk is slow to sync: the segment holding
+/// one batch's touch commits is full and sealed, not yet published, when the next batch needs
+/// room. It must not be reclaimed (it holds the only record of those uses, and publishing
+/// into it would move each unit's live commit into a deleted file).
+#[test]
+fn touch_bursts_at_capacity_never_publish_into_reclaimed_segments() {
+    let dir = TempDir::new("touch-burst");
+    let c = clock();
+    let t = Tenant::new("t");
+    let mut opts = small_opts(dir.path());
+    // Room for the data and a part of the burst only.
+    opts.capacity_bytes = 48 * opts.segment_bytes;
+    // Reads are not written as they happen: the burst comes from persist_uses.
+    opts.touch_interval_ms = 1000 * HOUR_MS;
+    let store = open(opts.clone(), c.clone());
+    let units: Vec<Vec<u32>> = (0..700u32).map(|u| unit_tokens(9, u, 0, P)).collect();
+    let mut written = Vec::new();
+    for tok in &units {
+        match put(&store, &t, tok).and_then(|tk| tk.wait()) {
+            Ok(()) => written.push(tok.clone()),
+            Err(Error::StoreFull { .. }) => break,
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert!(written.len() > 600, "{}", written.len());
+    store.close().unwrap();
+    // Now the disk is slow to sync.
+    opts.test_sync_delay_ms = 30;
+    let store = open(opts.clone(), c.clone());
+    c.advance(HOUR_MS);
+    for tok in &written {
+        assert_eq!(read_and_check(&store, &t, tok).0, tok.len() as u64);
+    }
+    store.persist_uses().unwrap();
+    store.flush().unwrap();
+    store.check_index().unwrap();
+    let s = store.stats();
+    assert_eq!(s.failed_writes, 0, "{s:#?}");
+    store.close().unwrap();
+    let store = open(opts, c.clone());
+    for tok in &written {
+        assert_eq!(read_and_check(&store, &t, tok).0, tok.len() as u64);
+    }
 }

@@ -93,6 +93,10 @@ pub struct StoreOptions {
     pub read_only: bool,
     /// Memory policy of the I/O buffers.
     pub memory: PinnedOptions,
+    /// Fault injection for tests: the syncer sleeps this long before each batch's sync, so
+    /// the writer runs ahead of publication as it does on a slow disk. Zero in production.
+    #[doc(hidden)]
+    pub test_sync_delay_ms: u64,
 }
 
 impl StoreOptions {
@@ -113,6 +117,7 @@ impl StoreOptions {
             engine: EnginePreference::Auto,
             read_only: false,
             memory: PinnedOptions::default(),
+            test_sync_delay_ms: 0,
         }
     }
 
@@ -309,6 +314,11 @@ struct SegMeta {
     next: u64,
     blocks: HashSet<Key>,
     units: HashSet<Key>,
+    /// Commits written into it and not yet published (or failed) by the syncer. Such a
+    /// segment holds records the index does not know of yet, so it is never retired or
+    /// compacted meanwhile (a retired one would take them with it, and publishing would then
+    /// move the unit's only live commit into a deleted segment).
+    unpublished: u32,
 }
 
 struct State {
@@ -723,6 +733,7 @@ impl SsdStore {
                     next: h.segment_bytes, // recovered segments are sealed
                     blocks: HashSet::new(),
                     units: HashSet::new(),
+                    unpublished: 0,
                 },
             );
             for r in scan.records {
@@ -904,6 +915,7 @@ impl SsdStore {
                 commits_done: Vec::new(),
                 relocated: Vec::new(),
                 lost: Vec::new(),
+                read_done: None,
                 full_parts: HashSet::new(),
                 purpose: Purpose::Data,
             };
@@ -1507,11 +1519,23 @@ impl SsdStore {
         self.shutdown()
     }
 
-    fn shutdown(&mut self) -> Result<()> {
-        let Some(handle) = self.writer.take() else {
-            return Ok(());
-        };
-        // Touch commits for every use not yet on disk.
+    /// Queues a touch commit for every use not yet on disk (what a clean close does), so a
+    /// restart keeps every unit's last use; [`SsdStore::flush`] waits for them.
+    ///
+    /// # Errors
+    /// [`Error::ReadOnly`]; [`Error::Closed`] when the writer has stopped.
+    pub fn persist_uses(&self) -> Result<()> {
+        if self.shared.opts.read_only {
+            return Err(Error::ReadOnly);
+        }
+        if self.writer.is_none() {
+            return Err(Error::Closed);
+        }
+        self.queue_uses();
+        Ok(())
+    }
+
+    fn queue_uses(&self) {
         let due: Vec<(Key, Vec<Key>)> = {
             let st = self.shared.lock();
             st.units
@@ -1544,6 +1568,76 @@ impl SsdStore {
             drop(st);
             let _ = self.shared.send(Job::Unit(Box::new(j)));
         }
+    }
+
+    /// Checks the in-memory index against itself: every unit's commit and every written
+    /// block lies in a segment the store holds and is counted there, and every segment's
+    /// live bytes are the sum of what it holds. For tests and `fsck`-style tools.
+    ///
+    /// # Errors
+    /// A description of the first inconsistency.
+    #[doc(hidden)]
+    pub fn check_index(&self) -> std::result::Result<(), String> {
+        let st = self.shared.lock();
+        let mut live: HashMap<u64, u64> = HashMap::new();
+        for (k, u) in &st.units {
+            let Some(l) = u.loc else { continue };
+            let seg = st.segments.get(&l.seg).ok_or_else(|| {
+                format!(
+                    "unit {} has its commit in segment {}, which the store does not hold",
+                    super::key::key_hex(k, 8),
+                    l.seg
+                )
+            })?;
+            if !seg.units.contains(k) {
+                return Err(format!(
+                    "unit {} is not counted in its segment {}",
+                    super::key::key_hex(k, 8),
+                    l.seg
+                ));
+            }
+            *live.entry(l.seg).or_default() += l.len;
+        }
+        for (k, b) in &st.blocks {
+            let Some(l) = b.loc() else { continue };
+            let Some(seg) = st.segments.get(&l.seg) else {
+                if b.covered > 0 {
+                    return Err(format!(
+                        "block {} of a unit lies in segment {}, which the store does not hold",
+                        super::key::key_hex(k, 8),
+                        l.seg
+                    ));
+                }
+                continue;
+            };
+            if seg.blocks.contains(k) {
+                *live.entry(l.seg).or_default() += l.len;
+            } else if b.covered > 0 {
+                return Err(format!(
+                    "block {} of a unit is not counted in its segment {}",
+                    super::key::key_hex(k, 8),
+                    l.seg
+                ));
+            }
+        }
+        for (id, seg) in &st.segments {
+            let want = live.get(id).copied().unwrap_or(0);
+            if seg.live != want {
+                return Err(format!(
+                    "segment {id} counts {} live bytes, holds {want}",
+                    seg.live
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn shutdown(&mut self) -> Result<()> {
+        let Some(handle) = self.writer.take() else {
+            return Ok(());
+        };
+        // Touch commits for every use not yet on disk.
+        self.queue_uses();
         let sent = self.shared.send(Job::Shutdown);
         *self.shared.jobs.lock().unwrap_or_else(|e| e.into_inner()) = None;
         if handle.join().is_err() {
@@ -1688,9 +1782,21 @@ fn check_block(
 // The write-behind thread
 
 enum Pending {
-    Block { key: Key, loc: Loc },
-    Commit { job: usize, loc: Loc },
-    Relocated { key: Key, loc: Loc, unit: bool },
+    Block {
+        key: Key,
+        loc: Loc,
+    },
+    Commit {
+        job: usize,
+        loc: Loc,
+    },
+    Relocated {
+        key: Key,
+        loc: Loc,
+        unit: bool,
+    },
+    /// Compaction's read of a record it copies: the completion is kept in `read_done`.
+    Read,
 }
 
 struct Writer {
@@ -1711,6 +1817,9 @@ struct Writer {
     relocated: Vec<(Key, Loc, bool)>,
     /// Blocks compaction found damaged (not copied).
     lost: Vec<Key>,
+    /// The completed read of compaction (reads share the ring with the copies' writes, whose
+    /// completions must reach `reap`, so the read is reaped like them).
+    read_done: Option<Completion>,
     /// Units an earlier part of which was refused for lack of space.
     full_parts: HashSet<Key>,
     /// What the record being allocated is for: data may not use the last free segment (kept
@@ -1731,6 +1840,8 @@ struct JobRun {
     job: Box<UnitJob>,
     /// Its commit completed.
     committed: Option<Loc>,
+    /// Where its commit was submitted (counted in that segment's `unpublished`).
+    written: Option<Loc>,
     error: Option<Error>,
 }
 
@@ -1765,6 +1876,7 @@ impl Writer {
                     Job::Unit(u) => units.push(JobRun {
                         job: u,
                         committed: None,
+                        written: None,
                         error: None,
                     }),
                     Job::Flush(tx) => flushes.push(tx),
@@ -1844,7 +1956,7 @@ impl Writer {
                 match self
                     .write_record(header, &b.payload, |loc| Pending::Block { key: b.key, loc })
                 {
-                    Ok(()) => {}
+                    Ok(_) => {}
                     Err(e) => {
                         if r.job.part && matches!(e, Error::StoreFull { .. }) {
                             self.full_parts.insert(r.job.end);
@@ -1933,8 +2045,14 @@ impl Writer {
             let written =
                 self.write_record(header, &payload, |loc| Pending::Commit { job: i, loc });
             self.purpose = Purpose::Data;
-            if let Err(e) = written {
-                r.error = Some(e);
+            match written {
+                Ok(loc) => {
+                    r.written = Some(loc);
+                    if let Some(seg) = self.st().segments.get_mut(&loc.seg) {
+                        seg.unpublished += 1;
+                    }
+                }
+                Err(e) => r.error = Some(e),
             }
         }
         self.drain();
@@ -1959,7 +2077,7 @@ impl Writer {
         mut header: RecordHeader,
         payload: &[u8],
         pending: impl FnOnce(Loc) -> Pending,
-    ) -> Result<()> {
+    ) -> Result<Loc> {
         let len = record_len(payload.len() as u64);
         let mut buf = self.buffer()?;
         let (file, loc) = self.allocate(len)?;
@@ -1968,7 +2086,8 @@ impl Writer {
         encode_record(&header, payload, buf.as_mut_slice()).map_err(|e| Error::WriteFailed {
             reason: e.to_string(),
         })?;
-        self.submit(buf, &file, loc.offset, len, pending(loc))
+        self.submit(buf, &file, loc.offset, len, pending(loc))?;
+        Ok(loc)
     }
 
     fn submit(
@@ -2026,6 +2145,10 @@ impl Writer {
             let Some(p) = self.inflight.remove(&c.op.tag) else {
                 continue;
             };
+            if matches!(p, Pending::Read) {
+                self.read_done = Some(c);
+                continue;
+            }
             let ok = match &c.result {
                 Ok(n) if *n == c.op.len => true,
                 Ok(n) => {
@@ -2071,6 +2194,7 @@ impl Writer {
                         self.relocated.push((key, loc, unit));
                     }
                 }
+                Pending::Read => {}
             }
         }
     }
@@ -2140,6 +2264,9 @@ fn sync_location_dir(location: &StoreLocation) -> std::result::Result<(), String
 /// not trusted again (a later sync could succeed without the lost writes).
 fn sync_loop(shared: &Shared, rx: &mpsc::Receiver<SyncWork>) {
     for mut work in rx {
+        if shared.opts.test_sync_delay_ms > 0 {
+            std::thread::sleep(Duration::from_millis(shared.opts.test_sync_delay_ms));
+        }
         let poisoned = shared.lock().poisoned.clone();
         let mut failure = poisoned.or(work.error.take());
         if failure.is_none()
@@ -2169,11 +2296,36 @@ fn sync_loop(shared: &Shared, rx: &mpsc::Receiver<SyncWork>) {
             st.poisoned = Some(reason.clone());
         }
         for r in work.runs.iter_mut() {
+            if let Some(l) = r.written
+                && let Some(seg) = st.segments.get_mut(&l.seg)
+            {
+                seg.unpublished = seg.unpublished.saturating_sub(1);
+            }
             if r.job.part {
                 // Blocks only: their unit's last part publishes (or unpins) them.
                 continue;
             }
-            let ok = r.error.is_none() && r.committed.is_some() && failure.is_none();
+            let mut ok = r.error.is_none() && r.committed.is_some() && failure.is_none();
+            // The commit's segment must still be there: publishing into a reclaimed one
+            // would leave the unit without a commit on disk (never expected; checked because
+            // the cost of being wrong is silent loss at the next restart).
+            if ok
+                && let Some(l) = r.committed
+                && !st.segments.contains_key(&l.seg)
+            {
+                log::error!(
+                    "the commit of a unit was written into segment {}, reclaimed before it \
+                     was published; the write is failed",
+                    l.seg
+                );
+                r.error = Some(Error::WriteFailed {
+                    reason: format!("segment {} was reclaimed before publication", l.seg),
+                });
+                if r.job.touch {
+                    bump(&shared.counters.failed_writes, 1);
+                }
+                ok = false;
+            }
             if ok {
                 publish(&mut st, &r.job, r.committed, shared);
             } else if !r.job.touch {
@@ -2283,6 +2435,7 @@ impl Writer {
                             next: SEGMENT_HEADER_PAGE as u64,
                             blocks: HashSet::new(),
                             units: HashSet::new(),
+                            unpublished: 0,
                         },
                     );
                     if system {
@@ -2364,6 +2517,7 @@ impl Writer {
                 Some(**id) != st.active
                     && Some(**id) != st.system_active
                     && !self.dirty.contains_key(id)
+                    && s.unpublished == 0
                     && s.live <= limit
             })
             .min_by_key(|(_, s)| s.live)
@@ -2477,6 +2631,49 @@ impl Writer {
         Ok(())
     }
 
+    /// Reads the record at `loc` of `file` through the writer's ring. Completions of the
+    /// copies' writes that arrive meanwhile are applied as usual (not dropped: a dropped one
+    /// would leave its copy unindexed and its victim unreclaimable).
+    fn read_record(&mut self, file: &Arc<SegmentFile>, loc: &Loc) -> Result<Completion> {
+        let buf = self.buffer()?;
+        let tag = self.next_tag;
+        self.next_tag += 1;
+        let op = IoOp {
+            kind: OpKind::Read,
+            file: Arc::clone(&file.file),
+            offset: file.base + loc.offset,
+            len: loc.len as usize,
+            buf,
+            tag,
+        };
+        self.engine
+            .submit(op)
+            .map_err(|e| Error::io("cannot read from", file.path.clone(), e.error))?;
+        self.inflight.insert(tag, Pending::Read);
+        self.read_done = None;
+        while self.read_done.is_none() {
+            if self.engine.in_flight() == 0 {
+                return Err(Error::io(
+                    "block I/O ring lost a read of",
+                    file.path.clone(),
+                    std::io::Error::other("no completion"),
+                ));
+            }
+            self.reap(1);
+            if let Some(e) = self.batch_error.as_deref()
+                && e.starts_with("I/O ring")
+                && self.read_done.is_none()
+            {
+                return Err(Error::io(
+                    "block I/O ring failed reading",
+                    file.path.clone(),
+                    std::io::Error::other(e.to_owned()),
+                ));
+            }
+        }
+        self.read_done.take().ok_or(Error::Closed)
+    }
+
     fn relocate(
         &mut self,
         file: &Arc<SegmentFile>,
@@ -2484,26 +2681,7 @@ impl Writer {
         units: &[(Key, Vec<Key>)],
     ) -> Result<()> {
         for (key, loc, tokens) in blocks {
-            let buf = self.buffer()?;
-            let op = IoOp {
-                kind: OpKind::Read,
-                file: Arc::clone(&file.file),
-                offset: file.base + loc.offset,
-                len: loc.len as usize,
-                buf,
-                tag: u64::MAX,
-            };
-            let (op, result) = kvstack_driver::blockio::run_one(self.engine.as_mut(), op);
-            let Some(op) = op else {
-                return Err(Error::io(
-                    "block I/O ring failed reading",
-                    file.path.clone(),
-                    result
-                        .err()
-                        .unwrap_or_else(|| std::io::Error::other("ring failed")),
-                ));
-            };
-            let c = Completion { op, result };
+            let c = self.read_record(file, loc)?;
             match check_block(&c, key, loc, *tokens) {
                 Ok(h) => {
                     let mut buf = c.op.buf;
@@ -2768,6 +2946,7 @@ fn retire_empty(st: &mut State, dirty: &BTreeMap<u64, Arc<SegmentFile>>) {
             Some(**id) != st.active
                 && Some(**id) != st.system_active
                 && !dirty.contains_key(id)
+                && s.unpublished == 0
                 && s.blocks.is_empty()
                 && s.units.is_empty()
         })
