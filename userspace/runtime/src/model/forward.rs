@@ -36,6 +36,8 @@ use super::dims::ModelDims;
 use super::error::{Error, kernel};
 use super::weights::{BlockWeights, ExpertWeights, HcWeights, ModelWeights, TensorSource};
 
+/// Expert work (FLOP) below which an extra MoE thread does not pay for its spawn.
+const MIN_MOE_FLOPS_PER_THREAD: usize = 4_000_000;
 /// A [`KvStore`] the model can drive: told each step's token ids before it runs.
 pub trait ModelStore: KvStore {
     /// Called with the token ids of a step before any layer runs.
@@ -341,7 +343,14 @@ impl Model {
                 });
             }
         }
-        let threads = self.threads.min(jobs.len()).max(1);
+        // A thread pays for its spawn (75-400 us on a busy 2-core VM) only with a few MFLOP
+        // of expert work: a decode step of a small model has far less and runs on one.
+        let flops = jobs.iter().map(|j| j.tokens.len()).sum::<usize>() * 6 * h * self.dims.inter;
+        let threads = self
+            .threads
+            .min(jobs.len())
+            .min(flops / MIN_MOE_FLOPS_PER_THREAD)
+            .max(1);
         let mut results: Vec<Option<Vec<f32>>> = vec![None; jobs.len()];
         if threads == 1 {
             for (j, r) in jobs.iter().zip(results.iter_mut()) {
