@@ -41,10 +41,17 @@ fn sources(model: &Model) -> Vec<usize> {
 }
 
 /// Decoding three sequences in one batched step per token gives exactly the logits and cache
-/// rows of decoding each alone.
+/// rows of decoding each alone, with the batch's attentions on one thread or spread over two.
 #[test]
 fn batched_decode_equals_decoding_each_alone() {
+    batched_equals_alone(1);
+    batched_equals_alone(2);
+}
+
+fn batched_equals_alone(threads: usize) {
     let model = model();
+    let mut batch_model = self::model();
+    batch_model.set_threads(threads);
     let lens = [37usize, 20, 51];
     let mut alone: Vec<ContiguousStore> = Vec::new();
     let mut batched: Vec<ContiguousStore> = Vec::new();
@@ -76,7 +83,7 @@ fn batched_decode_equals_decoding_each_alone() {
                 decoder_window_start: 0,
             })
             .collect();
-        let outs = model.step_batch(&mut items).unwrap();
+        let outs = batch_model.step_batch(&mut items).unwrap();
         for (t, l) in tok_b.iter_mut().zip(&outs) {
             *t = argmax(l).unwrap() as u32;
         }

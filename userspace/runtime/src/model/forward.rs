@@ -38,8 +38,12 @@ use super::weights::{BlockWeights, ExpertWeights, HcWeights, ModelWeights, Tenso
 
 /// Expert work (FLOP) below which an extra MoE thread does not pay for its spawn.
 const MIN_MOE_FLOPS_PER_THREAD: usize = 4_000_000;
+
+/// Members of a batch step with at most this many rows each have their attentions spread
+/// over the threads (decode steps); longer ones split their rows inside the attention.
+const MAX_SPREAD_ROWS: usize = 4;
 /// A [`KvStore`] the model can drive: told each step's token ids before it runs.
-pub trait ModelStore: KvStore {
+pub trait ModelStore: KvStore + Send {
     /// Called with the token ids of a step before any layer runs.
     fn begin_step(&mut self, _tokens: &[u32]) {}
 }
@@ -427,22 +431,70 @@ impl Model {
         let mut lt = LayerTrace::default();
         let mut y = Vec::with_capacity(n * h);
         let single = members.len() == 1;
-        for m in members.iter_mut() {
-            let ws = if l >= boundary {
-                m.decoder_window_start
-            } else {
-                0
-            };
-            let rows = &attn_input[m.rows.start * h..m.rows.end * h];
-            let out = self.attn.forward_from(
-                l,
-                &mut *m.store,
-                &mut m.step,
-                rows,
-                (single && trace.is_some()).then_some(&mut lt),
-                ws,
-            )?;
-            y.extend_from_slice(&out);
+        // Decode steps of several members: their attentions are independent, and one decode
+        // query is too little work to split, so the members are spread over the threads
+        // instead (prefill rows are split inside the attention).
+        let spread = self.threads.min(members.len());
+        if spread > 1 && members.iter().all(|m| m.rows.len() <= MAX_SPREAD_ROWS) {
+            let per = members.len().div_ceil(spread);
+            let attn_input = &attn_input;
+            let parts: Vec<Result<Vec<f32>, Error>> = std::thread::scope(|sc| {
+                let handles: Vec<_> = members
+                    .chunks_mut(per)
+                    .map(|part| {
+                        sc.spawn(move || {
+                            let mut y = Vec::new();
+                            for m in part.iter_mut() {
+                                let ws = if l >= boundary {
+                                    m.decoder_window_start
+                                } else {
+                                    0
+                                };
+                                let rows = &attn_input[m.rows.start * h..m.rows.end * h];
+                                let out = self.attn.forward_from(
+                                    l,
+                                    &mut *m.store,
+                                    &mut m.step,
+                                    rows,
+                                    None,
+                                    ws,
+                                )?;
+                                y.extend_from_slice(&out);
+                            }
+                            Ok(y)
+                        })
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|hd| {
+                        hd.join().unwrap_or_else(|_| {
+                            Err(Error::Input("an attention worker thread panicked".into()))
+                        })
+                    })
+                    .collect()
+            });
+            for part in parts {
+                y.extend_from_slice(&part?);
+            }
+        } else {
+            for m in members.iter_mut() {
+                let ws = if l >= boundary {
+                    m.decoder_window_start
+                } else {
+                    0
+                };
+                let rows = &attn_input[m.rows.start * h..m.rows.end * h];
+                let out = self.attn.forward_from(
+                    l,
+                    &mut *m.store,
+                    &mut m.step,
+                    rows,
+                    (single && trace.is_some()).then_some(&mut lt),
+                    ws,
+                )?;
+                y.extend_from_slice(&out);
+            }
         }
         hc.expand(&attn_mix, &y, streams)
             .map_err(kernel(format!("layer {l}: expand")))?;
