@@ -431,13 +431,25 @@ impl Model {
         let mut lt = LayerTrace::default();
         let mut y = Vec::with_capacity(n * h);
         let single = members.len() == 1;
+        let attend =
+            |m: &mut Member<'_, '_>, lt: Option<&mut LayerTrace>| -> Result<Vec<f32>, Error> {
+                let ws = if l >= boundary {
+                    m.decoder_window_start
+                } else {
+                    0
+                };
+                let rows = &attn_input[m.rows.start * h..m.rows.end * h];
+                self.attn
+                    .forward_from(l, &mut *m.store, &mut m.step, rows, lt, ws)
+                    .map_err(Error::from)
+            };
         // Decode steps of several members: their attentions are independent, and one decode
         // query is too little work to split, so the members are spread over the threads
         // instead (prefill rows are split inside the attention).
         let spread = self.threads.min(members.len());
         if spread > 1 && members.iter().all(|m| m.rows.len() <= MAX_SPREAD_ROWS) {
             let per = members.len().div_ceil(spread);
-            let attn_input = &attn_input;
+            let attend = &attend;
             let parts: Vec<Result<Vec<f32>, Error>> = std::thread::scope(|sc| {
                 let handles: Vec<_> = members
                     .chunks_mut(per)
@@ -445,21 +457,7 @@ impl Model {
                         sc.spawn(move || {
                             let mut y = Vec::new();
                             for m in part.iter_mut() {
-                                let ws = if l >= boundary {
-                                    m.decoder_window_start
-                                } else {
-                                    0
-                                };
-                                let rows = &attn_input[m.rows.start * h..m.rows.end * h];
-                                let out = self.attn.forward_from(
-                                    l,
-                                    &mut *m.store,
-                                    &mut m.step,
-                                    rows,
-                                    None,
-                                    ws,
-                                )?;
-                                y.extend_from_slice(&out);
+                                y.extend_from_slice(&attend(m, None)?);
                             }
                             Ok(y)
                         })
@@ -479,20 +477,7 @@ impl Model {
             }
         } else {
             for m in members.iter_mut() {
-                let ws = if l >= boundary {
-                    m.decoder_window_start
-                } else {
-                    0
-                };
-                let rows = &attn_input[m.rows.start * h..m.rows.end * h];
-                let out = self.attn.forward_from(
-                    l,
-                    &mut *m.store,
-                    &mut m.step,
-                    rows,
-                    (single && trace.is_some()).then_some(&mut lt),
-                    ws,
-                )?;
+                let out = attend(m, (single && trace.is_some()).then_some(&mut lt))?;
                 y.extend_from_slice(&out);
             }
         }
