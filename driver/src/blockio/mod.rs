@@ -246,28 +246,3 @@ pub fn choose_engine(
     );
     Ok((engine, choice))
 }
-
-/// Runs `op` to completion on `engine` (submit, then wait for it): for callers that do one
-/// operation at a time (compaction, tools). The engine must have nothing else in flight: other
-/// completions reaped meanwhile are dropped (their buffers return to their pool). Returns the
-/// operation (buffer and file) when the engine handed it back, and the bytes moved or the
-/// error.
-pub fn run_one(engine: &mut dyn BlockEngine, op: IoOp) -> (Option<IoOp>, io::Result<usize>) {
-    let tag = op.tag;
-    if let Err(e) = engine.submit(op) {
-        return (Some(*e.op), Err(e.error));
-    }
-    let mut out = Vec::new();
-    loop {
-        let waited = engine.wait(1, &mut out);
-        if let Some(pos) = out.iter().position(|c| c.op.tag == tag) {
-            let c = out.swap_remove(pos);
-            return (Some(c.op), c.result);
-        }
-        if let Err(e) = waited {
-            // The ring failed with the operation in flight: it stays with the engine, which
-            // leaks it on drop rather than let its buffer be reused.
-            return (None, Err(e));
-        }
-    }
-}
