@@ -34,6 +34,7 @@ mod error;
 mod frac;
 pub mod model;
 pub mod plan;
+mod threads;
 pub mod tiers;
 pub mod verify;
 pub mod weights;

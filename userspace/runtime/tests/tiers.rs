@@ -537,18 +537,9 @@ fn long_units_are_queued_in_parts_and_refused_whole() {
     assert_eq!(read_and_check(&store, &t, &long).0, long.len() as u64);
 }
 
-/// Tokens of unit `u` of round `round`: three families share two whole blocks, then a unique
-/// tail of varying length (every tenth unit long enough to be queued in parts).
+/// Tokens of unit `u` of round `round` (families 200-202).
 fn mixed_tokens(round: u32, u: u32) -> Vec<u32> {
-    let family = u % 3;
-    let len = if u % 10 == 9 {
-        30 * P + 6
-    } else {
-        2 * P + 2 + 2 * ((round * 7 + u * 5) % (3 * P as u32)) as usize
-    };
-    let mut t = unit_tokens(200 + family, 0, 2 * P, 2 * P);
-    t.extend((0..len - 2 * P).map(|i| 2_000_000 + round * 100_000 + u * 64 + i as u32));
-    t
+    mixed_unit_tokens(200, 2_000_000, 100_000, 30, round, u)
 }
 
 /// A store kept at capacity for many rounds (writes refused, mostly-dead segments compacted,

@@ -31,20 +31,10 @@ fn crash_opts(dir: &std::path::Path) -> kvstack_runtime::tiers::StoreOptions {
     o
 }
 
-/// Tokens of unit `u` of run `run`: three families share two whole blocks across all runs
-/// (so units share blocks), then a unique tail of varying length (often a short last block;
-/// sometimes long enough to be queued in parts).
+/// Tokens of unit `u` of run `run` (families 100-102; units share blocks across runs; every
+/// tenth unit is long enough to be queued in several parts).
 fn crash_tokens(run: u32, u: u32) -> Vec<u32> {
-    let family = u % 3;
-    // Every tenth unit is long enough to be queued in several parts.
-    let len = if u % 10 == 9 {
-        40 * P + 6
-    } else {
-        2 * P + 2 + 2 * ((run * 7 + u * 5) % (3 * P as u32)) as usize
-    };
-    let mut t = unit_tokens(100 + family, 0, 2 * P, 2 * P);
-    t.extend((0..len - 2 * P).map(|i| 1_000_000 + run * 10_000 + u * 64 + i as u32));
-    t
+    mixed_unit_tokens(100, 1_000_000, 10_000, 40, run, u)
 }
 
 /// The writer: only active when re-executed by the crash test.

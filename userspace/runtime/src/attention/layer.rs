@@ -667,33 +667,22 @@ impl Csa2Attention {
         }
         let per = n.div_ceil(threads);
         let score = &score;
-        let results: Vec<Result<(), Error>> = std::thread::scope(|s| {
-            let handles: Vec<_> = scores
-                .chunks_mut(per * width)
-                .enumerate()
-                .map(|(c, part)| {
-                    s.spawn(move || {
-                        for (k, row) in part.chunks_exact_mut(width).enumerate() {
-                            let i = c * per + k;
-                            score(i, positions[i], row, 1)?;
-                        }
-                        Ok(())
-                    })
+        crate::threads::on_threads(scores, per * width, |c, part| {
+            for (k, row) in part.chunks_exact_mut(width).enumerate() {
+                let i = c * per + k;
+                score(i, positions[i], row, 1)?;
+            }
+            Ok(())
+        })
+        .into_iter()
+        .try_for_each(|r| {
+            r.unwrap_or_else(|| {
+                Err(Error::State {
+                    layer,
+                    reason: "an indexer worker thread panicked".into(),
                 })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| {
-                    h.join().unwrap_or_else(|_| {
-                        Err(Error::State {
-                            layer,
-                            reason: "an indexer worker thread panicked".into(),
-                        })
-                    })
-                })
-                .collect()
-        });
-        results.into_iter().collect()
+            })
+        })
     }
 
     /// Top-k rows (`[n, index_topk]`, canonical) of score rows `[n, width]`.
@@ -873,35 +862,21 @@ impl Csa2Attention {
                 let per = n.div_ceil(threads);
                 let query = &query;
                 let shape = self.shape;
-                let results: Vec<Result<(), Error>> = std::thread::scope(|s| {
-                    let handles: Vec<_> = out
-                        .chunks_mut(per * qw)
-                        .enumerate()
-                        .map(|(c, part)| {
-                            s.spawn(move || {
-                                let mut attn = SparseAttention::new(shape);
-                                for (k, o) in part.chunks_exact_mut(qw).enumerate() {
-                                    let i = c * per + k;
-                                    query(i, positions[i], &mut attn, o)?;
-                                }
-                                Ok(())
-                            })
-                        })
-                        .collect();
-                    handles
-                        .into_iter()
-                        .map(|h| {
-                            h.join().unwrap_or_else(|_| {
-                                Err(Error::State {
-                                    layer,
-                                    reason: "an attention worker thread panicked".into(),
-                                })
-                            })
-                        })
-                        .collect()
+                let results = crate::threads::on_threads(&mut out, per * qw, |c, part| {
+                    let mut attn = SparseAttention::new(shape);
+                    for (k, o) in part.chunks_exact_mut(qw).enumerate() {
+                        let i = c * per + k;
+                        query(i, positions[i], &mut attn, o)?;
+                    }
+                    Ok(())
                 });
                 for r in results {
-                    r?;
+                    r.unwrap_or_else(|| {
+                        Err(Error::State {
+                            layer,
+                            reason: "an attention worker thread panicked".into(),
+                        })
+                    })?;
                 }
             }
             return Ok(out);

@@ -450,30 +450,18 @@ impl Model {
         if spread > 1 && members.iter().all(|m| m.rows.len() <= MAX_SPREAD_ROWS) {
             let per = members.len().div_ceil(spread);
             let attend = &attend;
-            let parts: Vec<Result<Vec<f32>, Error>> = std::thread::scope(|sc| {
-                let handles: Vec<_> = members
-                    .chunks_mut(per)
-                    .map(|part| {
-                        sc.spawn(move || {
-                            let mut y = Vec::new();
-                            for m in part.iter_mut() {
-                                y.extend_from_slice(&attend(m, None)?);
-                            }
-                            Ok(y)
-                        })
-                    })
-                    .collect();
-                handles
-                    .into_iter()
-                    .map(|hd| {
-                        hd.join().unwrap_or_else(|_| {
-                            Err(Error::Input("an attention worker thread panicked".into()))
-                        })
-                    })
-                    .collect()
+            let parts = crate::threads::on_threads(members, per, |_, part| {
+                let mut y = Vec::new();
+                for m in part.iter_mut() {
+                    y.extend_from_slice(&attend(m, None)?);
+                }
+                Ok::<_, Error>(y)
             });
             for part in parts {
-                y.extend_from_slice(&part?);
+                let part = part.unwrap_or_else(|| {
+                    Err(Error::Input("an attention worker thread panicked".into()))
+                })?;
+                y.extend_from_slice(&part);
             }
         } else {
             for m in members.iter_mut() {

@@ -153,3 +153,26 @@ pub fn unit_tokens(family: u32, u: u32, shared: usize, len: usize) -> Vec<u32> {
 pub fn open(opts: StoreOptions, clock: Arc<dyn Clock>) -> SsdStore {
     SsdStore::open(opts, clock).unwrap()
 }
+
+/// Tokens of unit `u` of round `round` in the mixed workloads of the crash and full-store
+/// tests: three families (`family_base + u % 3`) share two whole blocks, then a tail unique to
+/// (round, u) of varying length (`tail_base + round * round_stride + u * 64 + i`); every tenth
+/// unit is `long_blocks` blocks and 6 tokens, long enough to be queued in parts.
+pub fn mixed_unit_tokens(
+    family_base: u32,
+    tail_base: u32,
+    round_stride: u32,
+    long_blocks: usize,
+    round: u32,
+    u: u32,
+) -> Vec<u32> {
+    let family = u % 3;
+    let len = if u % 10 == 9 {
+        long_blocks * P + 6
+    } else {
+        2 * P + 2 + 2 * ((round * 7 + u * 5) % (3 * P as u32)) as usize
+    };
+    let mut t = unit_tokens(family_base + family, 0, 2 * P, 2 * P);
+    t.extend((0..len - 2 * P).map(|i| tail_base + round * round_stride + u * 64 + i as u32));
+    t
+}
