@@ -226,8 +226,9 @@ fn activations(n: usize, seed: u64) -> Vec<f32> {
 fn read_sum(level: Verified, bytes: &[u8]) -> u64 {
     match level.level() {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `level` is `Verified` as AVX2, so this CPU has AVX2 and FMA.
-        SimdLevel::Avx2 => unsafe { crate::x86::avx2::read_sum(bytes) },
+        // SAFETY: `level` is `Verified` as AVX2 or AVX-512 (which includes AVX2 and FMA), so
+        // this CPU has AVX2 and FMA. A read stream is memory-bound at either width.
+        SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { crate::x86::avx2::read_sum(bytes) },
         _ => portable::read_sum(bytes),
     }
 }

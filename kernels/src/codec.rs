@@ -117,6 +117,9 @@ fn run_quantize(
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: `level` is `Verified` as AVX2, so this CPU has AVX2 and FMA.
                 SimdLevel::Avx2 => unsafe { crate::x86::avx2::quantize_fp8(rows, out) },
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: `level` is `Verified` as AVX-512, so this CPU has AVX-512 F/BW/VL, AVX2 and FMA.
+                SimdLevel::Avx512 => unsafe { crate::x86::avx512::quantize_fp8(rows, out) },
                 // Portable, and levels without kernels on this target (never `Verified`).
                 _ => portable::quantize_fp8(rows, out),
             }
@@ -128,6 +131,9 @@ fn run_quantize(
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: `level` is `Verified` as AVX2, so this CPU has AVX2 and FMA.
                 SimdLevel::Avx2 => unsafe { crate::x86::avx2::quantize_fp4(rows, out) },
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: `level` is `Verified` as AVX-512, so this CPU has AVX-512 F/BW/VL, AVX2 and FMA.
+                SimdLevel::Avx512 => unsafe { crate::x86::avx512::quantize_fp4(rows, out) },
                 _ => portable::quantize_fp4(rows, out),
             }
         }
@@ -138,6 +144,9 @@ fn run_quantize(
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: `level` is `Verified` as AVX2, so this CPU has AVX2 and FMA.
                 SimdLevel::Avx2 => unsafe { crate::x86::avx2::quantize_mxfp4(rows, out) },
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: `level` is `Verified` as AVX-512, so this CPU has AVX-512 F/BW/VL, AVX2 and FMA.
+                SimdLevel::Avx512 => unsafe { crate::x86::avx512::quantize_mxfp4(rows, out) },
                 _ => portable::quantize_mxfp4(rows, out),
             }
         }
@@ -285,6 +294,9 @@ pub(crate) fn dequantize_at(
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: `level` is `Verified` as AVX2, so this CPU has AVX2 and FMA.
                 SimdLevel::Avx2 => unsafe { crate::x86::avx2::dequantize_fp8(e, out) },
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: `level` is `Verified` as AVX-512, so this CPU has AVX-512 F/BW/VL, AVX2 and FMA.
+                SimdLevel::Avx512 => unsafe { crate::x86::avx512::dequantize_fp8(e, out) },
                 _ => portable::dequantize_fp8(e, out),
             }
         }
@@ -295,6 +307,9 @@ pub(crate) fn dequantize_at(
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: `level` is `Verified` as AVX2, so this CPU has AVX2 and FMA.
                 SimdLevel::Avx2 => unsafe { crate::x86::avx2::dequantize_fp4(e, out) },
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: `level` is `Verified` as AVX-512, so this CPU has AVX-512 F/BW/VL, AVX2 and FMA.
+                SimdLevel::Avx512 => unsafe { crate::x86::avx512::dequantize_fp4(e, out) },
                 _ => portable::dequantize_fp4(e, out),
             }
         }
@@ -305,6 +320,9 @@ pub(crate) fn dequantize_at(
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: `level` is `Verified` as AVX2, so this CPU has AVX2 and FMA.
                 SimdLevel::Avx2 => unsafe { crate::x86::avx2::dequantize_mxfp4(e, out) },
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: `level` is `Verified` as AVX-512, so this CPU has AVX-512 F/BW/VL, AVX2 and FMA.
+                SimdLevel::Avx512 => unsafe { crate::x86::avx512::dequantize_mxfp4(e, out) },
                 _ => portable::dequantize_mxfp4(e, out),
             }
         }

@@ -12,6 +12,11 @@
 //! - AVX2: per tile (16 elements for fp4, 32 for mxfp4) 8-lane FMA partial sums of
 //!   `q_i * e2m1_i`, each multiplied by its tile scale into one of four (fp4) or two (mxfp4)
 //!   8-lane accumulators, which are added and reduced by a fixed 8-lane tree.
+//! - AVX-512: per 32 elements, 16-lane partial sums `q_even * e2m1_even + q_odd * e2m1_odd`
+//!   (lanes 0..8 one fp4 tile and 8..16 the next; one mxfp4 block), multiplied by the matching
+//!   scales into one of four (fp4) or two (mxfp4) 16-lane accumulators, which are added and
+//!   reduced 16 entries at a time by a fixed transposing tree (a lone entry is reduced as a
+//!   batch padded with zeros, so it gets the same bits).
 //!
 //! Levels may therefore differ in the last bits. For every level, barring overflow and
 //! underflow (and for `n` the dimension),
@@ -45,6 +50,9 @@ fn fp4_many(level: Verified, q: &[f32; 512], entries: &[GlobalFp4Entry], out: &m
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `level` is `Verified` as AVX2, so this CPU has AVX2 and FMA.
         SimdLevel::Avx2 => unsafe { crate::x86::avx2::dot_fp4(q, entries, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `level` is `Verified` as AVX-512, so this CPU has AVX-512 F/BW/VL, AVX2 and FMA.
+        SimdLevel::Avx512 => unsafe { crate::x86::avx512::dot_fp4(q, entries, out) },
         // Portable, and levels without kernels on this target (never `Verified`).
         _ => portable::dot_fp4(q, entries, out),
     }
@@ -55,6 +63,9 @@ fn mxfp4_many(level: Verified, q: &[f32; 128], keys: &[IndexMxfp4Entry], out: &m
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `level` is `Verified` as AVX2, so this CPU has AVX2 and FMA.
         SimdLevel::Avx2 => unsafe { crate::x86::avx2::dot_mxfp4(q, keys, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `level` is `Verified` as AVX-512, so this CPU has AVX-512 F/BW/VL, AVX2 and FMA.
+        SimdLevel::Avx512 => unsafe { crate::x86::avx512::dot_mxfp4(q, keys, out) },
         _ => portable::dot_mxfp4(q, keys, out),
     }
 }
@@ -64,6 +75,9 @@ fn mx_mx_many(level: Verified, q: &IndexMxfp4Entry, keys: &[IndexMxfp4Entry], ou
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `level` is `Verified` as AVX2, so this CPU has AVX2 and FMA.
         SimdLevel::Avx2 => unsafe { crate::x86::avx2::dot_mxfp4_mxfp4(q, keys, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `level` is `Verified` as AVX-512, so this CPU has AVX-512 F/BW/VL, AVX2 and FMA.
+        SimdLevel::Avx512 => unsafe { crate::x86::avx512::dot_mxfp4_mxfp4(q, keys, out) },
         _ => portable::dot_mxfp4_mxfp4(q, keys, out),
     }
 }

@@ -19,10 +19,9 @@ pub enum SimdLevel {
     Portable,
     /// x86-64 AVX2 + FMA (256-bit vectors).
     Avx2,
-    /// x86-64 AVX-512 F + BW + VL (with AVX2 + FMA, which every such CPU has).
-    ///
-    /// This build has no AVX-512 kernels yet: the level is never available, and asking for it
-    /// returns [`Error::UnsupportedLevel`].
+    /// x86-64 AVX-512 F + BW + VL (512-bit vectors), with AVX2 + FMA, which every such CPU
+    /// has. The codecs and fused dots have AVX-512 kernels; the attention kernels
+    /// ([`crate::attn`]) run their AVX2 forms at this level.
     Avx512,
 }
 
@@ -44,10 +43,21 @@ impl SimdLevel {
         match self {
             SimdLevel::Portable => true,
             SimdLevel::Avx2 => cpu_has_avx2_fma(),
-            // No AVX-512 kernels are compiled in; see the variant's documentation.
-            SimdLevel::Avx512 => false,
+            SimdLevel::Avx512 => cpu_has_avx2_fma() && cpu_has_avx512(),
         }
     }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn cpu_has_avx512() -> bool {
+    std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("avx512bw")
+        && std::arch::is_x86_feature_detected!("avx512vl")
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn cpu_has_avx512() -> bool {
+    false
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -86,7 +96,7 @@ pub fn available_levels() -> Vec<SimdLevel> {
         .collect()
 }
 
-/// Environment variable that lowers the detected level (`portable`, `avx2`), for example to
+/// Environment variable that lowers the detected level (`portable`, `avx2`, `avx512`), for example to
 /// rule out a SIMD path while debugging. A level the CPU cannot run is ignored with a warning.
 pub const LEVEL_ENV: &str = "KVSTACK_SIMD";
 

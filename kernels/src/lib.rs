@@ -13,10 +13,11 @@
 //!   with YaRN, compressor, indexer, top-k, candidate pool, sparse attention, output
 //!   projection), each with a reference form its fast form is tested against.
 //!
-//! Levels: [`SimdLevel::Portable`] everywhere, [`SimdLevel::Avx2`] (AVX2 + FMA) on x86-64,
-//! chosen at run time with `is_x86_feature_detected!` (never from `-C target-cpu`).
-//! [`SimdLevel::Avx512`] is reserved: no AVX-512 kernels exist yet (they could not be run on the
-//! machine this was written on), so that level is never available.
+//! Levels: [`SimdLevel::Portable`] everywhere, [`SimdLevel::Avx2`] (AVX2 + FMA) and
+//! [`SimdLevel::Avx512`] (AVX-512 F/BW/VL) on x86-64, chosen at run time with
+//! `is_x86_feature_detected!` (never from `-C target-cpu`). The codecs and fused dots have a
+//! kernel per level; the attention kernels ([`attn`]) have portable and AVX2 forms, and run the
+//! AVX2 form at the AVX-512 level.
 //!
 //! # Example
 //!

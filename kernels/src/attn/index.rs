@@ -294,8 +294,11 @@ pub(crate) fn scan(
             .map(move |(p, r)| (p - start, r));
         match level.level() {
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: `level` is `Verified` as AVX2, so this CPU has AVX2 and FMA.
-            SimdLevel::Avx2 => unsafe { super::avx2::score_runs(query, runs, o) },
+            // SAFETY: `level` is `Verified` as AVX2 or AVX-512 (which includes AVX2 and FMA),
+            // so this CPU has AVX2 and FMA.
+            SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe {
+                super::avx2::score_runs(query, runs, o)
+            },
             _ => {
                 let items =
                     runs.flat_map(|(d, r)| r.iter().enumerate().map(move |(i, k)| (d + i, k)));
@@ -398,8 +401,9 @@ pub(crate) fn gather(
         o.fill(f32::NEG_INFINITY);
         match level.level() {
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: `level` is `Verified` as AVX2, so this CPU has AVX2 and FMA.
-            SimdLevel::Avx2 => unsafe {
+            // SAFETY: `level` is `Verified` as AVX2 or AVX-512 (which includes AVX2 and FMA),
+            // so this CPU has AVX2 and FMA.
+            SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe {
                 super::avx2::score_positions(query, keys, visible, pos, o)
             },
             _ => {

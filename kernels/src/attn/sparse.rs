@@ -191,7 +191,7 @@ impl<'a> Prep<'a> {
     fn new(level: Verified, q: &'a [[f32; HEAD_DIM]]) -> Self {
         let hp = q.len().next_multiple_of(16);
         let qt = match level.level() {
-            SimdLevel::Avx2 => super::tile::transpose_q(q, hp),
+            SimdLevel::Avx2 | SimdLevel::Avx512 => super::tile::transpose_q(q, hp),
             _ => Vec::new(),
         };
         Prep { q, hp, qt }
@@ -203,8 +203,9 @@ fn attend(level: Verified, prep: &Prep<'_>, rows: &[KvRow<'_>]) -> Partial {
     let mut st = Partial::new(prep.hp);
     match level.level() {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `level` is `Verified` as AVX2, so this CPU has AVX2 and FMA.
-        SimdLevel::Avx2 => unsafe { super::avx2::attend(prep, rows, &mut st) },
+        // SAFETY: `level` is `Verified` as AVX2 or AVX-512 (which includes AVX2 and FMA), so
+        // this CPU has AVX2 and FMA.
+        SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { super::avx2::attend(prep, rows, &mut st) },
         _ => super::portable::attend(prep.q, rows, &mut st),
     }
     st

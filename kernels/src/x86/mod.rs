@@ -2,3 +2,4 @@
 //! through the dispatchers in `codec` and `dot`, which hold a [`crate::level::Verified`] level.
 
 pub(crate) mod avx2;
+pub(crate) mod avx512;
