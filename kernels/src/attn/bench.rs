@@ -278,8 +278,17 @@ fn fma_peak_portable(iters: u64, seed: f32) -> f32 {
     acc.iter().flatten().sum()
 }
 
-/// FLOPs per iteration of the peak loops: 12 chains x 8 lanes x 2.
+/// FLOPs per iteration of the peak loops: 12 chains x 8 lanes x 2 (the portable and AVX2
+/// loops; the AVX-512 loop has 16 lanes, see [`peak_flops_per_iter`]).
 const PEAK_FLOPS_PER_ITER: f64 = 12.0 * 8.0 * 2.0;
+
+/// FLOPs per iteration of the level's FMA peak loop.
+fn peak_flops_per_iter(level: SimdLevel) -> f64 {
+    match level {
+        SimdLevel::Avx512 => 2.0 * PEAK_FLOPS_PER_ITER,
+        _ => PEAK_FLOPS_PER_ITER,
+    }
+}
 /// Multiply-adds per iteration of the integer peak loop: 12 chains x 32.
 const INT8_MACS_PER_ITER: f64 = 12.0 * 32.0;
 
@@ -339,16 +348,20 @@ impl<'a> Probes<'a> {
         on_threads(t, |i| {
             let v = match level.level() {
                 #[cfg(target_arch = "x86_64")]
-                // SAFETY: `level` is `Verified` as AVX2 or AVX-512, so this CPU has AVX2 and
-                // FMA. The attention kernels are AVX2 at both levels: their peak is AVX2's.
-                SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe {
-                    super::avx2::fma_peak(black_box(iters), i as f32)
+                // SAFETY: `level` is `Verified` as AVX2, so this CPU has AVX2 and FMA.
+                SimdLevel::Avx2 => unsafe { super::avx2::fma_peak(black_box(iters), i as f32) },
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: `level` is `Verified` as AVX-512, so this CPU has AVX-512 F/BW/VL.
+                SimdLevel::Avx512 => unsafe {
+                    crate::x86::avx512::fma_peak(black_box(iters), i as f32)
                 },
                 _ => fma_peak_portable(black_box(iters), i as f32),
             };
             black_box(v);
         });
-        let fma = PEAK_FLOPS_PER_ITER * (iters * t as u64) as f64 / s.elapsed().as_secs_f64() / 1e9;
+        let fma = peak_flops_per_iter(level.level()) * (iters * t as u64) as f64
+            / s.elapsed().as_secs_f64()
+            / 1e9;
         let int8 = match level.level() {
             #[cfg(target_arch = "x86_64")]
             SimdLevel::Avx2 | SimdLevel::Avx512 => {
@@ -789,7 +802,11 @@ pub fn run_attention_bench(
         return Err(e);
     }
     if lv == SimdLevel::Avx512 {
-        notes.push(avx512_note(level, iters));
+        notes.push(
+            "level avx512: sparse attention runs 512-bit kernels (FMA limit: 512-bit peak); the \
+             indexer scan runs its AVX2 integer kernel (int8 limit: the AVX2 peak)"
+                .to_owned(),
+        );
     }
     Ok(AttentionBenchReport {
         level: lv,
@@ -798,26 +815,6 @@ pub fn run_attention_bench(
         results,
         notes,
     })
-}
-
-/// At the AVX-512 level the attention kernels run their AVX2 forms, so the limits above are
-/// AVX2's; this note measures the 512-bit FMA peak (one thread, best of 3) so the headroom is
-/// visible.
-fn avx512_note(level: Verified, iters: u64) -> String {
-    let mut best = 0f64;
-    for _ in 0..3 {
-        let s = Instant::now();
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: only called when `level` is `Verified` as AVX-512.
-        black_box(unsafe { crate::x86::avx512::fma_peak(black_box(iters), 1.0) });
-        let _ = level;
-        let flops = 12.0 * 16.0 * 2.0 * iters as f64;
-        best = best.max(flops / s.elapsed().as_secs_f64() / 1e9);
-    }
-    format!(
-        "level avx512: the attention kernels run their AVX2 forms and the FMA/int8 limits are \
-         AVX2's; this CPU's 512-bit FMA peak is {best:.1} GFLOP/s on one thread"
-    )
 }
 
 /// `(best, median)` of measured part times.

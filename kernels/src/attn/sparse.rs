@@ -203,9 +203,12 @@ fn attend(level: Verified, prep: &Prep<'_>, rows: &[KvRow<'_>]) -> Partial {
     let mut st = Partial::new(prep.hp);
     match level.level() {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `level` is `Verified` as AVX2 or AVX-512 (which includes AVX2 and FMA), so
-        // this CPU has AVX2 and FMA.
-        SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { super::avx2::attend(prep, rows, &mut st) },
+        // SAFETY: `level` is `Verified` as AVX2, so this CPU has AVX2 and FMA.
+        SimdLevel::Avx2 => unsafe { super::avx2::attend(prep, rows, &mut st) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `level` is `Verified` as AVX-512, so this CPU has AVX-512 F/BW/VL, AVX2 and
+        // FMA.
+        SimdLevel::Avx512 => unsafe { super::avx512::attend(prep, rows, &mut st) },
         _ => super::portable::attend(prep.q, rows, &mut st),
     }
     st

@@ -317,6 +317,23 @@ fn sparse_attention_edge_cases() {
                 }
             }
         }
+        // The AVX-512 kernel computes every lane as the AVX2 one does: same bits.
+        if crate::SimdLevel::Avx512.is_available() {
+            let run = |level| {
+                let mut o = vec![[0f32; HEAD_DIM]; heads];
+                sparse_attention_decode_with(level, &input, 1, &mut o).unwrap();
+                o
+            };
+            let (a, b) = (run(crate::SimdLevel::Avx2), run(crate::SimdLevel::Avx512));
+            for (h, (x, y)) in a.iter().zip(&b).enumerate() {
+                for (d, (x, y)) in x.iter().zip(y).enumerate() {
+                    assert!(
+                        x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()),
+                        "h{heads} w{nw} s{nsel}: head {h} channel {d}: avx2 {x} avx512 {y}"
+                    );
+                }
+            }
+        }
     }
 }
 
