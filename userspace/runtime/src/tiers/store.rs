@@ -1226,7 +1226,9 @@ impl SsdStore {
             }
         }
         let mut ctx = self.reader()?;
-        let depth = ctx.engine.depth().min(ctx.pool.slots()).max(1);
+        // At most `queue_depth` reads in flight, up to the pool's slots delivered-or-pending.
+        let depth = self.shared.opts.queue_depth.min(ctx.engine.depth()).max(1);
+        let window = ctx.pool.slots().max(depth);
         let mut next_submit = 0usize;
         let mut next_deliver = 0usize;
         let mut ready: HashMap<usize, Completion> = HashMap::new();
@@ -1234,7 +1236,7 @@ impl SsdStore {
         let mut stop_at: Option<(usize, bool)> = None;
         while next_deliver < plan.len() && stop_at.is_none() {
             while next_submit < plan.len()
-                && next_submit < next_deliver + depth
+                && next_submit < next_deliver + window
                 && ctx.engine.in_flight() < depth
             {
                 let Some(buf) = ctx.pool.try_get() else {
@@ -1340,9 +1342,11 @@ impl SsdStore {
         if let Some(c) = cached {
             return Ok(c);
         }
+        // Twice the queue depth in buffers: blocks are delivered in order, so completions that
+        // overtake the oldest read wait in their buffers while the queue stays full.
         let (engine, pool, _) = engine_for(
             &self.shared.opts,
-            self.shared.opts.queue_depth,
+            2 * self.shared.opts.queue_depth,
             self.shared.opts.io_buffer_bytes(),
             self.shared.read_preference,
         )?;
