@@ -24,7 +24,7 @@ use std::fmt;
 use std::str::FromStr;
 
 /// Errors of this crate.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
 pub enum Error {
     /// A format name that is not one of [`EntryFormat::ALL`].
     #[error("unknown entry format {name:?} (expected one of: fp8-window, fp4-global, mxfp4-index)")]

@@ -1,8 +1,9 @@
-//! The crate's error type.
+//! The crate's error type: one enum for the codecs, the dot products, the CSA2 building
+//! blocks ([`crate::csa2`]) and the attention kernels ([`crate::attn`]).
 
 use crate::SimdLevel;
 
-/// Errors of the codec and dot-product entry points.
+/// Errors of every kernel entry point.
 ///
 /// Every variant names what was wrong and where, so a caller can print it without context.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -52,4 +53,39 @@ pub enum Error {
         /// The name that was given.
         name: String,
     },
+    /// A position refers past the entries that exist (attention kernels).
+    #[error("{what}: position {position} is out of range (have {len} entries)")]
+    PositionOutOfRange {
+        /// Which list held the position.
+        what: &'static str,
+        /// The offending position.
+        position: i64,
+        /// How many entries exist.
+        len: usize,
+    },
+    /// A page list does not have the fixed page geometry [`crate::attn::Paged::pages`]
+    /// requires.
+    #[error(
+        "page {page} holds {len} entries; pages hold {page_entries} (only the last may hold fewer)"
+    )]
+    PageLayout {
+        /// Index of the offending page.
+        page: usize,
+        /// Its length.
+        len: usize,
+        /// The page size.
+        page_entries: usize,
+    },
+    /// A dimension or parameter that a CSA2 block cannot work with.
+    #[error("{what}: {reason}")]
+    Param {
+        /// The parameter.
+        what: &'static str,
+        /// Why it is unusable.
+        reason: String,
+    },
+    /// A row layout the entry formats reject (width not a whole number of tiles, or a row
+    /// buffer of the wrong size).
+    #[error(transparent)]
+    Row(#[from] kvstack_firmware_interface::Error),
 }

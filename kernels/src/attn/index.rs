@@ -157,8 +157,8 @@ impl IndexQuery {
     ///
     /// # Errors
     ///
-    /// [`AttnError::LengthMismatch`] unless `q.len() == 32 * 128`; [`AttnError::Level`] wrapping
-    /// [`crate::Error::NonFinite`] for a NaN or infinite value.
+    /// [`AttnError::LengthMismatch`] unless `q.len() == 32 * 128`; [`AttnError::NonFinite`]
+    /// for a NaN or infinite value.
     pub fn from_f32(q: &[f32], weights: &[f32; INDEX_HEADS]) -> Result<Self, AttnError> {
         if q.len() != INDEX_HEADS * INDEX_DIM {
             return Err(AttnError::LengthMismatch {
@@ -249,7 +249,7 @@ pub fn indexer_scores(
 ///
 /// # Errors
 ///
-/// As [`indexer_scores`], plus [`AttnError::Level`] for a level this CPU cannot run.
+/// As [`indexer_scores`], plus [`AttnError::UnsupportedLevel`] for a level this CPU cannot run.
 pub fn indexer_scores_with(
     level: SimdLevel,
     query: &IndexQuery,
@@ -351,7 +351,7 @@ pub fn indexer_scores_at(
 ///
 /// # Errors
 ///
-/// As [`indexer_scores_at`], plus [`AttnError::Level`].
+/// As [`indexer_scores_at`], plus [`AttnError::UnsupportedLevel`].
 pub fn indexer_scores_at_with(
     level: SimdLevel,
     query: &IndexQuery,

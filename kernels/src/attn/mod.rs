@@ -81,46 +81,10 @@ pub const POOL_BLOCKS: usize = 2048;
 /// Compressed positions per candidate block.
 pub const POOL_BLOCK: usize = 8;
 
-/// Errors of the attention kernels. Each names what was wrong, so it can be printed as is.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-#[non_exhaustive]
-pub enum AttnError {
-    /// A buffer or list has the wrong length.
-    #[error("{what}: expected {expected}, got {actual}")]
-    LengthMismatch {
-        /// Which buffer, with its unit.
-        what: &'static str,
-        /// The length the other arguments imply.
-        expected: usize,
-        /// The length that was passed.
-        actual: usize,
-    },
-    /// A position refers past the entries that exist.
-    #[error("{what}: position {position} is out of range (have {len} entries)")]
-    PositionOutOfRange {
-        /// Which list held the position.
-        what: &'static str,
-        /// The offending position.
-        position: i64,
-        /// How many entries exist.
-        len: usize,
-    },
-    /// A page list does not have the fixed page geometry [`Paged::pages`] requires.
-    #[error(
-        "page {page} holds {len} entries; pages hold {page_entries} (only the last may hold fewer)"
-    )]
-    PageLayout {
-        /// Index of the offending page.
-        page: usize,
-        /// Its length.
-        len: usize,
-        /// The page size.
-        page_entries: usize,
-    },
-    /// A SIMD level this CPU cannot run was requested.
-    #[error(transparent)]
-    Level(#[from] crate::Error),
-}
+/// The attention kernels' errors: the crate's one error type, under the name these kernels
+/// have always used (attention uses [`crate::Error::LengthMismatch`],
+/// [`crate::Error::PositionOutOfRange`], [`crate::Error::PageLayout`] and the level errors).
+pub type AttnError = crate::Error;
 
 /// Stored entries by position, either one contiguous slice or fixed-size pages (the paged KV
 /// cache's block table: page `k` holds positions `[k * page_entries, (k + 1) * page_entries)`).

@@ -90,7 +90,7 @@ pub fn sparse_attention_decode(
 ///
 /// # Errors
 ///
-/// As [`sparse_attention_decode`], plus [`AttnError::Level`].
+/// As [`sparse_attention_decode`], plus [`AttnError::UnsupportedLevel`].
 pub fn sparse_attention_decode_with(
     level: SimdLevel,
     input: &SparseAttnInput<'_>,

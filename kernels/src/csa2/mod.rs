@@ -29,7 +29,6 @@
 pub mod attention;
 pub mod candidates;
 pub mod compress;
-mod error;
 pub mod gemm;
 pub mod indexer;
 pub mod norm;
@@ -39,14 +38,15 @@ pub mod rope;
 pub mod softmax;
 pub mod topk;
 
-pub use error::Error;
+/// The crate's error type, re-exported where the blocks are.
+pub use crate::Error;
 
 /// Checks that a buffer has exactly `expected` elements.
 pub(crate) fn check_len(what: &'static str, expected: usize, actual: usize) -> Result<(), Error> {
     if expected == actual {
         Ok(())
     } else {
-        Err(Error::Length {
+        Err(Error::LengthMismatch {
             what,
             expected,
             actual,

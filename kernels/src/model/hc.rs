@@ -62,7 +62,7 @@ impl HcShape {
             if expected == actual {
                 Ok(())
             } else {
-                Err(Error::Length {
+                Err(Error::LengthMismatch {
                     what,
                     expected,
                     actual,
@@ -150,7 +150,7 @@ impl HcShape {
     pub fn collapse(&self, pre: &[HcMix], streams: &[f32], out: &mut [f32]) -> Result<(), Error> {
         let width = self.streams * self.hidden;
         if streams.len() != pre.len() * width || out.len() != pre.len() * self.hidden {
-            return Err(Error::Length {
+            return Err(Error::LengthMismatch {
                 what: "hc collapse streams [tokens, n, hidden] / out [tokens, hidden]",
                 expected: pre.len() * width,
                 actual: streams.len(),
@@ -174,7 +174,7 @@ impl HcShape {
         let n = self.streams;
         let h = self.hidden;
         if streams.len() != mix.len() * n * h || y.len() != mix.len() * h {
-            return Err(Error::Length {
+            return Err(Error::LengthMismatch {
                 what: "hc expand streams [tokens, n, hidden] / y [tokens, hidden]",
                 expected: mix.len() * n * h,
                 actual: streams.len(),

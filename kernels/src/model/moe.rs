@@ -59,7 +59,7 @@ impl MoeShape {
         tokens: usize,
     ) -> Result<Vec<Route>, Error> {
         if bias.len() != self.experts {
-            return Err(Error::Length {
+            return Err(Error::LengthMismatch {
                 what: "router bias [experts]",
                 expected: self.experts,
                 actual: bias.len(),
@@ -114,7 +114,7 @@ impl MoeShape {
         let mut y = vec![0f32; tokens * h];
         linear(&gate, e.w2, tokens, i, h, &mut y)?;
         if scale.len() != tokens || out.len() != tokens * h {
-            return Err(Error::Length {
+            return Err(Error::LengthMismatch {
                 what: "expert out [tokens, hidden]",
                 expected: tokens * h,
                 actual: out.len(),
@@ -139,7 +139,7 @@ impl MoeShape {
     ) -> Result<(), Error> {
         let h = self.hidden;
         if experts.len() != self.experts || routes.len() != tokens || x.len() != tokens * h {
-            return Err(Error::Length {
+            return Err(Error::LengthMismatch {
                 what: "moe experts / routes / x",
                 expected: self.experts,
                 actual: experts.len(),
