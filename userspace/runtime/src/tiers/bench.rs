@@ -197,6 +197,12 @@ pub struct TiersReport {
     pub write_ratio: Option<f64>,
     /// `ssd_read / fio read`.
     pub read_ratio: Option<f64>,
+    /// Median over the repetitions of store write GB/s over the fio write GB/s of the run just
+    /// before it: adjacent runs see the same state of a drifting disk, the two bests need not
+    /// (informational; the target is checked on [`TiersReport::write_ratio`]).
+    pub write_ratio_paired: Option<f64>,
+    /// The same for reads.
+    pub read_ratio_paired: Option<f64>,
     /// The DRAM pool.
     pub dram: DramReport,
     /// Restore of one prefix.
@@ -261,6 +267,16 @@ impl std::fmt::Display for TiersReport {
             ratio(self.read_ratio),
             self.ssd_target
         )?;
+        if self.write_ratio_paired.is_some() || self.read_ratio_paired.is_some() {
+            writeln!(
+                f,
+                "  {:<34} write {}, read {} (median over runs of store / the fio run just \
+                 before it)",
+                "ssd paired ratios",
+                ratio(self.write_ratio_paired),
+                ratio(self.read_ratio_paired)
+            )?;
+        }
         let d = &self.dram;
         writeln!(
             f,
@@ -479,8 +495,12 @@ fn bench_in(
     let reps = opts.repetitions.max(1);
     let mut fio_write: Option<f64> = None;
     let mut ssd_write = Throughput::default();
+    // Per repetition: store GB/s over the fio GB/s of the run just before it.
+    let mut write_pairs: Vec<f64> = Vec::new();
+    let mut read_pairs: Vec<f64> = Vec::new();
     let mut units = Vec::new();
     for rep in 0..reps {
+        let mut fio_now = None;
         if version.is_some() {
             progress("fio write");
             let _ = std::fs::remove_dir_all(&fio_dir);
@@ -490,6 +510,7 @@ fn bench_in(
             a.push("--end_fsync=1".into());
             let bw = run_fio(&a, "write")?;
             fio_write = Some(fio_write.map_or(bw, |b| b.max(bw)));
+            fio_now = Some(bw);
         }
         progress("store write");
         let before = tiers.store().stats().bytes_written;
@@ -518,6 +539,9 @@ fn bench_in(
             tiers.store().stats().bytes_written - before,
             start.elapsed().as_secs_f64(),
         );
+        if let Some(f) = fio_now {
+            write_pairs.push(run.gb_per_s / (f / 1e9));
+        }
         if run.gb_per_s > ssd_write.gb_per_s {
             ssd_write = run;
         }
@@ -525,10 +549,12 @@ fn bench_in(
     let mut fio_read: Option<f64> = None;
     let mut ssd_read = Throughput::default();
     for rep in 0..reps {
+        let mut fio_now = None;
         if version.is_some() {
             progress("fio read");
             let bw = run_fio(&fio_args, "read")?;
             fio_read = Some(fio_read.map_or(bw, |b| b.max(bw)));
+            fio_now = Some(bw);
         }
         progress("store read");
         let start = Instant::now();
@@ -548,6 +574,9 @@ fn bench_in(
             }
         }
         let run = Throughput::new(read_bytes, start.elapsed().as_secs_f64());
+        if let Some(f) = fio_now {
+            read_pairs.push(run.gb_per_s / (f / 1e9));
+        }
         if run.gb_per_s > ssd_read.gb_per_s {
             ssd_read = run;
         }
@@ -663,6 +692,8 @@ fn bench_in(
         fio_missing,
         write_ratio,
         read_ratio,
+        write_ratio_paired: median(&mut write_pairs),
+        read_ratio_paired: median(&mut read_pairs),
         dram,
         restore,
         recovery,
@@ -671,6 +702,17 @@ fn bench_in(
         failures,
         notes,
     })
+}
+
+/// The median of `v` (mean of the middle two for an even count), `None` when empty.
+fn median(v: &mut [f64]) -> Option<f64> {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    match n {
+        0 => None,
+        _ if n % 2 == 1 => Some(v[n / 2]),
+        _ => Some((v[n / 2 - 1] + v[n / 2]) / 2.0),
+    }
 }
 
 /// Appends `tokens` to `seq` in 4096-token chunks of synthetic entries.

@@ -376,6 +376,10 @@ struct Shared {
     choice: EngineChoice,
     read_preference: EnginePreference,
     readers: Mutex<Vec<ReadCtx>>,
+    /// Payload buffers the writer has finished with, reused by `put_unit`: a fresh 230 KB
+    /// allocation per block is a fresh mapping whose pages fault in one by one (and whose
+    /// release shoots down TLBs), which cost more than the copy into it.
+    payloads: Mutex<Vec<Vec<u8>>>,
     counters: Counters,
     recovery: RecoveryReport,
 }
@@ -385,6 +389,28 @@ impl Shared {
         // A panic while holding the lock cannot leave the index half-updated in a way that
         // matters more than stopping: keep serving with whatever state there is.
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// An empty payload buffer with room for one block.
+    fn payload_buffer(&self) -> Vec<u8> {
+        let reused = self
+            .payloads
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pop();
+        reused.unwrap_or_else(|| Vec::with_capacity(self.opts.max_block_payload))
+    }
+
+    /// Keeps `buf` for reuse, up to [`PAYLOAD_CACHE_BYTES`] of buffers.
+    fn recycle_payload(&self, mut buf: Vec<u8>) {
+        if buf.capacity() < self.opts.max_block_payload {
+            return;
+        }
+        buf.clear();
+        let mut cache = self.payloads.lock().unwrap_or_else(|e| e.into_inner());
+        if (cache.len() + 1) * self.opts.max_block_payload <= PAYLOAD_CACHE_BYTES {
+            cache.push(buf);
+        }
     }
 
     fn send(&self, job: Job) -> Result<()> {
@@ -398,6 +424,10 @@ impl Shared {
 
 /// Blocks per queued part of a long unit.
 const PART_BLOCKS: usize = 32;
+
+/// Payload buffers kept for reuse between the writer and `put_unit` (at V4.1 dimensions about
+/// 140 blocks: four parts of a long unit).
+const PAYLOAD_CACHE_BYTES: usize = 32 << 20;
 
 /// A block a job must write.
 struct NewBlock {
@@ -888,6 +918,7 @@ impl SsdStore {
             clock,
             jobs: Mutex::new(None),
             readers: Mutex::new(Vec::new()),
+            payloads: Mutex::new(Vec::new()),
             counters: Counters::default(),
             recovery: report,
             opts,
@@ -897,9 +928,11 @@ impl SsdStore {
         } else {
             let (tx, rx) = mpsc::channel();
             *shared.jobs.lock().unwrap_or_else(|e| e.into_inner()) = Some(tx);
+            // Twice the queue depth in buffers: the next records are encoded while
+            // `queue_depth` writes are in flight, so a completion is refilled at once.
             let (engine, pool, _) = engine_for(
                 &shared.opts,
-                shared.opts.queue_depth,
+                2 * shared.opts.queue_depth,
                 shared.opts.io_buffer_bytes(),
                 shared.read_preference,
             )?;
@@ -1084,7 +1117,7 @@ impl SsdStore {
         for &i in &missing {
             let first = (i * p) as u64;
             let count = (n - first).min(p as u64) as usize;
-            let mut payload = Vec::with_capacity(sh.opts.max_block_payload);
+            let mut payload = sh.payload_buffer();
             unit.source
                 .block_payload(i, first, count, &mut payload)
                 .map_err(undo)?;
@@ -1939,7 +1972,7 @@ impl Writer {
                 continue;
             }
             let mut blocks = blocks.into_iter();
-            while let Some(b) = blocks.next() {
+            while let Some(mut b) = blocks.next() {
                 let (tenant, model, created) = (r.job.tenant_id, r.job.model, r.job.created);
                 let header = RecordHeader {
                     kind: RecordKind::Block,
@@ -1957,9 +1990,11 @@ impl Writer {
                     last_used_ms: created,
                     payload_crc: 0,
                 };
-                match self
-                    .write_record(header, &b.payload, |loc| Pending::Block { key: b.key, loc })
-                {
+                let written =
+                    self.write_record(header, &b.payload, |loc| Pending::Block { key: b.key, loc });
+                // Encoded into the I/O buffer (or failed): the payload is no longer needed.
+                self.shared.recycle_payload(std::mem::take(&mut b.payload));
+                match written {
                     Ok(_) => {}
                     Err(e) => {
                         if r.job.part && matches!(e, Error::StoreFull { .. }) {
@@ -2113,6 +2148,9 @@ impl Writer {
             tag,
         };
         self.dirty.insert(file.id, Arc::clone(file));
+        while self.engine.in_flight() >= self.depth() && !self.ring_failed() {
+            self.reap(1);
+        }
         self.engine
             .submit(op)
             .map_err(|e| Error::io("cannot write to", file.path.clone(), e.error))?;
@@ -2121,13 +2159,31 @@ impl Writer {
         Ok(())
     }
 
+    /// At most this many writes in flight (the configured queue depth; the pool holds twice
+    /// as many buffers so the next ones are encoded meanwhile).
+    fn depth(&self) -> usize {
+        self.shared
+            .opts
+            .queue_depth
+            .min(self.engine.depth())
+            .max(1)
+    }
+
+    /// Whether the I/O ring itself failed (its completions can no longer be waited for).
+    fn ring_failed(&self) -> bool {
+        self.batch_error
+            .as_deref()
+            .is_some_and(|e| e.starts_with("I/O ring"))
+    }
+
     /// A free I/O buffer, reaping completions until one is returned.
     fn buffer(&mut self) -> Result<kvstack_driver::blockio::IoBuf> {
         loop {
-            if self.engine.in_flight() < self.engine.depth()
-                && let Some(b) = self.pool.try_get()
-            {
+            if let Some(b) = self.pool.try_get() {
                 return Ok(b);
+            }
+            if self.ring_failed() {
+                return Err(Error::Closed);
             }
             if self.engine.in_flight() == 0 {
                 // Every buffer is free when nothing is in flight; this is unreachable unless
