@@ -2162,11 +2162,7 @@ impl Writer {
     /// At most this many writes in flight (the configured queue depth; the pool holds twice
     /// as many buffers so the next ones are encoded meanwhile).
     fn depth(&self) -> usize {
-        self.shared
-            .opts
-            .queue_depth
-            .min(self.engine.depth())
-            .max(1)
+        self.shared.opts.queue_depth.min(self.engine.depth()).max(1)
     }
 
     /// Whether the I/O ring itself failed (its completions can no longer be waited for).
