@@ -306,11 +306,12 @@ pub(crate) fn scan(
             }
         }
     };
-    std::thread::scope(|s| {
+    // The first chunk runs here, the others on the worker pool (see `thread_count`).
+    rayon::in_place_scope(|s| {
         let mut chunks = scored.chunks_mut(chunk).enumerate();
         let first = chunks.next();
         for (i, o) in chunks {
-            s.spawn(move || run(i * chunk, o));
+            s.spawn(move |_| run(i * chunk, o));
         }
         if let Some((_, o)) = first {
             run(0, o);
@@ -415,11 +416,11 @@ pub(crate) fn gather(
             }
         }
     };
-    std::thread::scope(|s| {
+    rayon::in_place_scope(|s| {
         let mut chunks = positions.chunks(chunk).zip(out.chunks_mut(chunk));
         let first = chunks.next();
         for (p, o) in chunks {
-            s.spawn(move || run(p, o));
+            s.spawn(move |_| run(p, o));
         }
         if let Some((p, o)) = first {
             run(p, o);

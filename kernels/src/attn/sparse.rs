@@ -149,29 +149,25 @@ pub(crate) fn decode(
     // Fewer than a few tiles per thread is not worth a thread.
     let t = thread_count(threads).min(rows.len().div_ceil(MIN_ROWS_PER_THREAD).max(1));
     let chunk = rows.len().div_ceil(t).max(1);
-    let mut parts: Vec<Partial> = Vec::with_capacity(t);
-    std::thread::scope(|s| {
-        let mut chunks = rows.chunks(chunk);
-        let first = chunks.next();
-        let handles: Vec<_> = chunks
-            .map(|c| {
-                let prep = &prep;
-                s.spawn(move || attend(level, prep, c))
-            })
-            .collect();
-        parts.push(match first {
-            Some(c) => attend(level, &prep, c),
-            None => Partial::new(prep.hp),
-        });
-        for h in handles {
-            // A worker only panics on a bug: pass its panic on rather than merge a state that
-            // is missing entries.
-            match h.join() {
-                Ok(p) => parts.push(p),
-                Err(payload) => std::panic::resume_unwind(payload),
-            }
+    let chunks: Vec<&[KvRow<'_>]> = rows.chunks(chunk).collect();
+    let mut slots: Vec<Option<Partial>> = (0..chunks.len()).map(|_| None).collect();
+    // The first chunk runs here, the others on the worker pool (see `thread_count`); a
+    // worker's panic (a bug) is passed on by the scope rather than merged as missing entries.
+    rayon::in_place_scope(|s| {
+        let mut work = slots.iter_mut().zip(&chunks);
+        let first = work.next();
+        for (slot, c) in work {
+            let prep = &prep;
+            s.spawn(move |_| *slot = Some(attend(level, prep, c)));
+        }
+        if let Some((slot, c)) = first {
+            *slot = Some(attend(level, &prep, c));
         }
     });
+    let mut parts: Vec<Partial> = slots.into_iter().flatten().collect();
+    if parts.is_empty() {
+        parts.push(Partial::new(prep.hp));
+    }
     merge(&parts, input.sinks, out);
     Ok(())
 }

@@ -372,23 +372,14 @@ impl Model {
                 }
             }
             let jobs = &jobs;
-            let done: Vec<Vec<JobResult>> = std::thread::scope(|s| {
-                let handles: Vec<_> = bins
-                    .iter()
-                    .map(|(_, idx)| {
-                        s.spawn(move || {
-                            idx.iter()
-                                .map(|&i| (i, jobs[i].run(x, h)))
-                                .collect::<Vec<_>>()
-                        })
-                    })
-                    .collect();
-                handles
-                    .into_iter()
-                    .map(|hd| hd.join().unwrap_or_default())
-                    .collect()
-            });
-            for (i, r) in done.into_iter().flatten() {
+            let done: Vec<Option<Vec<JobResult>>> =
+                crate::threads::on_threads(&mut bins, 1, |_, bin| {
+                    bin.iter()
+                        .flat_map(|(_, idx)| idx.iter())
+                        .map(|&i| (i, jobs[i].run(x, h)))
+                        .collect::<Vec<_>>()
+                });
+            for (i, r) in done.into_iter().flatten().flatten() {
                 results[i] = Some(r.map_err(kernel("moe expert"))?);
             }
         }
