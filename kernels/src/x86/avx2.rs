@@ -666,9 +666,11 @@ pub(crate) fn dot_fp4(q: &[f32; 512], entries: &[GlobalFp4Entry], out: &mut [f32
     let (e8, e_rest) = entries.as_chunks::<8>();
     let (o8, o_rest) = out.as_chunks_mut::<8>();
     for (e, o) in e8.iter().zip(o8) {
-        prefetch_ahead(e, PREFETCH_AHEAD, size_of_val(e));
         let mut v = [_mm256_setzero_ps(); 8];
         for (v, e) in v.iter_mut().zip(e) {
+            // One entry's lines per entry scored: spread out, the requests never queue up
+            // behind each other in the fill buffers.
+            prefetch_ahead(std::slice::from_ref(e), PREFETCH_AHEAD, size_of_val(e));
             *v = dot_fp4_acc(qp, e);
         }
         st_ps(o, hsum8x8(&v));
@@ -706,9 +708,9 @@ pub(crate) fn dot_mxfp4(q: &[f32; 128], entries: &[IndexMxfp4Entry], out: &mut [
     let (e8, e_rest) = entries.as_chunks::<8>();
     let (o8, o_rest) = out.as_chunks_mut::<8>();
     for (e, o) in e8.iter().zip(o8) {
-        prefetch_ahead(e, PREFETCH_AHEAD, size_of_val(e));
         let mut v = [_mm256_setzero_ps(); 8];
         for (v, e) in v.iter_mut().zip(e) {
+            prefetch_ahead(std::slice::from_ref(e), PREFETCH_AHEAD, size_of_val(e));
             *v = dot_mxfp4_acc(qp, e);
         }
         st_ps(o, hsum8x8(&v));
@@ -803,8 +805,8 @@ pub(crate) fn dot_mxfp4_mxfp4(q: &IndexMxfp4Entry, keys: &[IndexMxfp4Entry], out
     let (k8, k_rest) = keys.as_chunks::<8>();
     let (o8, o_rest) = out.as_chunks_mut::<8>();
     for (k, o) in k8.iter().zip(o8) {
-        prefetch_ahead(k, PREFETCH_AHEAD, size_of_val(k));
         for (k, o) in k.iter().zip(o) {
+            prefetch_ahead(std::slice::from_ref(k), PREFETCH_AHEAD, size_of_val(k));
             *o = dot_mxfp4_mxfp4_entry(&mq, k);
         }
     }

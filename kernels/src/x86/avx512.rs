@@ -582,9 +582,11 @@ fn dot_batches<E>(entries: &[E], out: &mut [f32], acc: impl Fn(&E) -> __m512) {
     let (e16, e_rest) = entries.as_chunks::<16>();
     let (o16, o_rest) = out.as_chunks_mut::<16>();
     for (e, o) in e16.iter().zip(o16) {
-        prefetch_ahead(e, PREFETCH_AHEAD, size_of_val(e));
         let mut v = [_mm512_setzero_ps(); 16];
         for (v, e) in v.iter_mut().zip(e) {
+            // One entry's lines per entry scored, `PREFETCH_AHEAD` bytes ahead: spread out, the
+            // requests never queue up behind each other in the fill buffers.
+            prefetch_ahead(std::slice::from_ref(e), PREFETCH_AHEAD, size_of::<E>());
             *v = acc(e);
         }
         st_ps(o, hsum16x16(&v));
@@ -694,8 +696,8 @@ pub(crate) fn dot_mxfp4_mxfp4(q: &IndexMxfp4Entry, keys: &[IndexMxfp4Entry], out
     let (k16, k_rest) = keys.as_chunks::<16>();
     let (o16, o_rest) = out.as_chunks_mut::<16>();
     for (k, o) in k16.iter().zip(o16) {
-        prefetch_ahead(k, PREFETCH_AHEAD, size_of_val(k));
         for (k, o) in k.iter().zip(o) {
+            prefetch_ahead(std::slice::from_ref(k), PREFETCH_AHEAD, size_of_val(k));
             *o = combine_mxfp4_blocks(mx_block_sums(&mq, k), &q.scales, &k.scales);
         }
     }
