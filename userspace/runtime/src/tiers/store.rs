@@ -78,6 +78,9 @@ pub struct StoreOptions {
     /// last one written (ms); a clean close writes every newer use.
     pub touch_interval_ms: u64,
     /// I/O operations in flight (writes of the write-behind thread; reads of one reader).
+    /// Each of them holds twice this many pinned record buffers (`2 x queue_depth x` one
+    /// record, 7.5 MB at the default 16 and V4.1 dimensions), so that the next records are
+    /// encoded, or completed reads wait for in-order delivery, while the queue stays full.
     pub queue_depth: usize,
     /// Largest block payload (KV bytes plus token ids); sizes the I/O buffers.
     pub max_block_payload: usize,
