@@ -11,6 +11,7 @@ use kvstack_firmware_interface::IndexMxfp4Entry;
 use kvstack_firmware_interface::element::E2M1_TIMES_TWO_I8;
 
 use super::Paged;
+use super::avx512::Vnni;
 use super::index::{IndexQuery, Prepared, score_exact};
 
 // ---------------------------------------------------------------------------------------------
@@ -170,7 +171,12 @@ fn key_heads(p: &Prepared, kb: &[[u32; 8]; 4], sk: [f32; 4], x: &mut [__m256; 4]
 /// order (see the [module documentation](super)).
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-fn index_tile8(p: &Prepared, keys: &[&IndexMxfp4Entry; 8], out: &mut [f32; 8]) -> bool {
+fn index_tile8(
+    p: &Prepared,
+    keys: &[&IndexMxfp4Entry; 8],
+    vnni: Option<Vnni>,
+    out: &mut [f32; 8],
+) -> bool {
     let Some(lim) = p.fast else {
         return false;
     };
@@ -227,12 +233,13 @@ fn index_tile8(p: &Prepared, keys: &[&IndexMxfp4Entry; 8], out: &mut [f32; 8]) -
     }
     let mut xs = [[zero; 4]; 8];
     for (ki, (kb, x)) in kb.0.iter().zip(xs.iter_mut()).enumerate() {
-        key_heads(
-            p,
-            kb,
-            [sk.0[0][ki], sk.0[1][ki], sk.0[2][ki], sk.0[3][ki]],
-            x,
-        );
+        let skey = [sk.0[0][ki], sk.0[1][ki], sk.0[2][ki], sk.0[3][ki]];
+        match vnni {
+            // SAFETY: a `Vnni` token exists only when this CPU has AVX-512 F/BW/VL and VNNI
+            // (`Vnni::detect`), which is what `key_heads_vnni` is compiled for.
+            Some(_) => unsafe { super::avx512::key_heads_vnni(p, kb, skey, x) },
+            None => key_heads(p, kb, skey, x),
+        }
     }
     // The head sum in head order, eight keys at once: transposed so that lanes are keys,
     // `s = T_0; s = s + T_h` for h = 1..32.
@@ -265,13 +272,15 @@ const KEY_PREFETCH: usize = 32 * IndexMxfp4Entry::BYTES;
 struct Carry<'a> {
     keys: [(usize, Option<&'a IndexMxfp4Entry>); 8],
     n: usize,
+    vnni: Option<Vnni>,
 }
 
 impl<'a> Carry<'a> {
-    fn new() -> Self {
+    fn new(vnni: Option<Vnni>) -> Self {
         Carry {
             keys: [(usize::MAX, None); 8],
             n: 0,
+            vnni,
         }
     }
 
@@ -297,7 +306,7 @@ impl<'a> Carry<'a> {
             return;
         };
         let keys = self.keys.map(|(_, k)| k.unwrap_or(first));
-        let s = score8(q, &keys);
+        let s = score8(q, &keys, self.vnni);
         for ((d, _), &v) in self.keys.iter().zip(&s).take(n) {
             if let Some(o) = out.get_mut(*d) {
                 *o = v;
@@ -310,9 +319,9 @@ impl<'a> Carry<'a> {
 /// Eight scores: the integer kernel, or the exact path for a tile it declines.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-fn score8(q: &IndexQuery, keys: &[&IndexMxfp4Entry; 8]) -> [f32; 8] {
+fn score8(q: &IndexQuery, keys: &[&IndexMxfp4Entry; 8], vnni: Option<Vnni>) -> [f32; 8] {
     let mut s = A32([0f32; 8]);
-    if !index_tile8(&q.prep, keys, &mut s.0) {
+    if !index_tile8(&q.prep, keys, vnni, &mut s.0) {
         for (o, k) in s.0.iter_mut().zip(keys) {
             *o = score_exact(q, k);
         }
@@ -332,6 +341,7 @@ pub(crate) fn score_positions(
     keys: Paged<'_, IndexMxfp4Entry>,
     visible: usize,
     positions: &[i32],
+    vnni: Option<Vnni>,
     out: &mut [f32],
 ) {
     let key = |p: i32| {
@@ -340,7 +350,7 @@ pub(crate) fn score_positions(
             .filter(|&p| p < visible)
             .and_then(|p| keys.get(p))
     };
-    let mut carry = Carry::new();
+    let mut carry = Carry::new(vnni);
     for (i, &p) in positions.iter().enumerate() {
         if let Some(&a) = positions.get(i + GATHER_AHEAD)
             && let Some(k) = key(a)
@@ -365,9 +375,10 @@ pub(crate) fn score_positions(
 pub(crate) fn score_runs<'a>(
     q: &IndexQuery,
     runs: impl Iterator<Item = (usize, &'a [IndexMxfp4Entry])>,
+    vnni: Option<Vnni>,
     out: &mut [f32],
 ) {
-    let mut carry = Carry::new();
+    let mut carry = Carry::new(vnni);
     for (d0, run) in runs {
         // Complete a pending tile first, so that the rest of the run is tile-aligned.
         let lead = if carry.n > 0 {
@@ -389,7 +400,7 @@ pub(crate) fn score_runs<'a>(
                 _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(KEY_PREFETCH + off));
                 _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(8 * KEY_PREFETCH + off));
             }
-            let s = score8(q, &t.each_ref());
+            let s = score8(q, &t.each_ref(), vnni);
             if let Some(o) = out.get_mut(d..d + 8) {
                 o.copy_from_slice(&s);
             }
@@ -770,5 +781,5 @@ pub(crate) fn int8_peak(iters: u64, seed: i32) -> i32 {
 #[target_feature(enable = "avx2,fma")]
 pub(crate) fn tile_accepted(q: &IndexQuery, keys: &[&IndexMxfp4Entry; 8]) -> bool {
     let mut out = [0f32; 8];
-    index_tile8(&q.prep, keys, &mut out)
+    index_tile8(&q.prep, keys, None, &mut out)
 }

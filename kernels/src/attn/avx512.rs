@@ -13,8 +13,11 @@
 use core::arch::x86_64::*;
 
 use super::HEAD_DIM;
+use super::index::Prepared;
 use super::sparse::{KvRow, LOGIT_SCALE, Partial, Prep};
 use super::tile::{Row512, flat, flat_mut, zeroed};
+use crate::SimdLevel;
+use crate::level::Verified;
 
 /// Entries per tile, as in AVX2 (a multiple of the logit kernel's 12 rows).
 const TILE: usize = 48;
@@ -400,4 +403,103 @@ pub(crate) fn attend(prep: &Prep<'_>, rows: &[KvRow<'_>], st: &mut Partial) {
         softmax_tile(s, n, hp, &mut st.m, &mut st.l, &mut alpha);
         pv_tile(&kt, n, s, hp, &alpha, o);
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Indexer: the per-key head terms with AVX-512 VNNI.
+
+/// Proof that this CPU has AVX-512 F/BW/VL and VNNI and that the AVX-512 level was chosen:
+/// only [`Vnni::detect`] makes one, so holding it is what the `unsafe` call of
+/// [`key_heads_vnni`] from the AVX2 indexer relies on.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Vnni(());
+
+impl Vnni {
+    /// A token if `level` is the AVX-512 level and the CPU has VNNI.
+    pub(crate) fn detect(level: Verified) -> Option<Vnni> {
+        (level.level() == SimdLevel::Avx512 && std::arch::is_x86_feature_detected!("avx512vnni"))
+            .then_some(Vnni(()))
+    }
+}
+
+/// Heads `16r..16r + 16` (vectors `2r` and `2r + 1`, contiguous) of a four-vector table of
+/// query bytes; `r` is taken mod 2.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+fn ld_heads_i(t: &[[u8; 32]; 4], r: usize) -> __m512i {
+    // SAFETY: `t` is 4 x 32 contiguous readable bytes and `2 (r mod 2) <= 2`, so the 64 bytes
+    // from vector `2 (r mod 2)` on lie inside it; `loadu` accepts any alignment.
+    unsafe { _mm512_loadu_si512(t.as_ptr().add(2 * (r & 1)).cast()) }
+}
+
+/// [`ld_heads_i`] for a four-vector table of f32.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+fn ld_heads_f(t: &[[f32; 8]; 4], r: usize) -> __m512 {
+    // SAFETY: `t` is 4 x 8 contiguous readable f32 and `2 (r mod 2) <= 2`, so the 16 values
+    // from vector `2 (r mod 2)` on lie inside it; `loadu` accepts any alignment.
+    unsafe { _mm512_loadu_ps(t.as_ptr().add(2 * (r & 1)).cast()) }
+}
+
+/// The AVX2 indexer's `key_heads` with 16 heads per vector and `vpdpbusd`: per block, the
+/// eight 4-byte groups of the decoded key (`2k + 12`, unsigned) are broadcast and dotted with
+/// the matching groups of all heads straight into i32 lanes. That is the same integer the
+/// AVX2 kernel gets from `vpmaddubsw`, i16 sums and `vpmaddwd`, and the epilogue is the same
+/// lane-wise f32 operations, so `x` gets the same bits. Heads `16r'..16r'+16` end up in
+/// `x[2r']` (low half) and `x[2r'+1]`.
+#[inline(never)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+pub(crate) fn key_heads_vnni(p: &Prepared, kb: &[[u32; 8]; 4], sk: [f32; 4], x: &mut [__m256; 4]) {
+    let zero = _mm512_setzero_ps();
+    let mut d = [zero; 2];
+    for c in 0..2 {
+        let (b0, b1) = (2 * c, 2 * c + 1);
+        let mut a0 = [_mm512_setzero_si512(); 2];
+        let mut a1 = [_mm512_setzero_si512(); 2];
+        for g in 0..8 {
+            let row = &kb[2 * c + g / 4];
+            let k0 = _mm512_set1_epi32(row[g % 4] as i32);
+            let k1 = _mm512_set1_epi32(row[4 + g % 4] as i32);
+            for r in 0..2 {
+                a0[r] = _mm512_dpbusd_epi32(a0[r], k0, ld_heads_i(&p.qv[b0][g], r));
+                a1[r] = _mm512_dpbusd_epi32(a1[r], k1, ld_heads_i(&p.qv[b1][g], r));
+            }
+        }
+        let (s0, s1) = (_mm512_set1_ps(sk[b0]), _mm512_set1_ps(sk[b1]));
+        for r in 0..2 {
+            // As in AVX2: `(I_raw - off) * 2^(eq - 127)` in one exact FMA, then the key's
+            // scale; the pair of blocks added with one rounding.
+            let i0 = _mm512_cvtepi32_ps(a0[r]);
+            let i1 = _mm512_cvtepi32_ps(a1[r]);
+            let u0 = _mm512_fmadd_ps(i0, ld_heads_f(&p.sq[b0], r), ld_heads_f(&p.offsq[b0], r));
+            let u1 = _mm512_fmadd_ps(i1, ld_heads_f(&p.sq[b1], r), ld_heads_f(&p.offsq[b1], r));
+            let v = _mm512_fmadd_ps(u1, s1, _mm512_mul_ps(u0, s0));
+            // d = p01 + p23, in that order.
+            d[r] = if c == 0 { v } else { _mm512_add_ps(d[r], v) };
+        }
+    }
+    for r in 0..2 {
+        let t = _mm512_mul_ps(_mm512_max_ps(d[r], zero), ld_heads_f(&p.w, r));
+        x[2 * r] = _mm512_castps512_ps256(t);
+        // The upper 256 bits via the integer extract (the float one needs AVX-512 DQ).
+        x[2 * r + 1] = _mm256_castsi256_ps(_mm512_extracti64x4_epi64::<1>(_mm512_castps_si512(t)));
+    }
+}
+
+/// `iters` iterations of 12 independent `vpdpbusd` chains (64 multiply-adds of 8-bit integers
+/// each): the integer peak of the VNNI indexer kernel, for the benchmark.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+pub(crate) fn int8_peak_vnni(iters: u64, seed: i32) -> i32 {
+    let q = _mm512_set1_epi8(3);
+    let mut acc: [__m512i; 12] = std::array::from_fn(|i| _mm512_set1_epi32(seed + i as i32));
+    for _ in 0..iters {
+        for x in acc.iter_mut() {
+            *x = _mm512_dpbusd_epi32(*x, *x, q);
+        }
+    }
+    let mut s = _mm512_setzero_si512();
+    for x in acc {
+        s = _mm512_add_epi32(s, x);
+    }
+    _mm512_reduce_add_epi32(s)
 }

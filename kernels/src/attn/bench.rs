@@ -289,7 +289,8 @@ fn peak_flops_per_iter(level: SimdLevel) -> f64 {
         _ => PEAK_FLOPS_PER_ITER,
     }
 }
-/// Multiply-adds per iteration of the integer peak loop: 12 chains x 32.
+/// Multiply-adds per iteration of the AVX2 integer peak loop: 12 chains x 32 (the VNNI loop
+/// does twice as many: 12 chains x 64).
 const INT8_MACS_PER_ITER: f64 = 12.0 * 32.0;
 
 /// The limit probes of one thread count. Each probe returns the rate it measured and keeps
@@ -362,9 +363,27 @@ impl<'a> Probes<'a> {
         let fma = peak_flops_per_iter(level.level()) * (iters * t as u64) as f64
             / s.elapsed().as_secs_f64()
             / 1e9;
-        let int8 = match level.level() {
+        #[cfg(target_arch = "x86_64")]
+        let vnni = super::avx512::Vnni::detect(level);
+        #[cfg(not(target_arch = "x86_64"))]
+        let vnni: Option<()> = None;
+        let int8 = match (level.level(), vnni) {
+            // The indexer's kernel at this level is the VNNI one: its peak is `vpdpbusd`'s.
             #[cfg(target_arch = "x86_64")]
-            SimdLevel::Avx2 | SimdLevel::Avx512 => {
+            (SimdLevel::Avx512, Some(_)) => {
+                let s = Instant::now();
+                on_threads(t, |i| {
+                    // SAFETY: a `Vnni` token exists only when this CPU has AVX-512 F/BW/VL
+                    // and VNNI.
+                    let v = unsafe { super::avx512::int8_peak_vnni(black_box(iters), i as i32) };
+                    black_box(v);
+                });
+                2.0 * 2.0 * INT8_MACS_PER_ITER * (iters * t as u64) as f64
+                    / s.elapsed().as_secs_f64()
+                    / 1e9
+            }
+            #[cfg(target_arch = "x86_64")]
+            (SimdLevel::Avx2 | SimdLevel::Avx512, _) => {
                 let s = Instant::now();
                 on_threads(t, |i| {
                     // SAFETY: `level` is `Verified` as AVX2 or AVX-512, so this CPU has AVX2
@@ -802,11 +821,20 @@ pub fn run_attention_bench(
         return Err(e);
     }
     if lv == SimdLevel::Avx512 {
-        notes.push(
+        #[cfg(target_arch = "x86_64")]
+        let vnni = super::avx512::Vnni::detect(level).is_some();
+        #[cfg(not(target_arch = "x86_64"))]
+        let vnni = false;
+        notes.push(if vnni {
             "level avx512: sparse attention runs 512-bit kernels (FMA limit: 512-bit peak); the \
-             indexer scan runs its AVX2 integer kernel (int8 limit: the AVX2 peak)"
-                .to_owned(),
-        );
+             indexer scan's per-key products use AVX-512 VNNI (int8 limit: the vpdpbusd peak)"
+                .to_owned()
+        } else {
+            "level avx512: sparse attention runs 512-bit kernels (FMA limit: 512-bit peak); the \
+             indexer scan runs its AVX2 integer kernel (this CPU has no AVX-512 VNNI; int8 \
+             limit: the AVX2 peak)"
+                .to_owned()
+        });
     }
     Ok(AttentionBenchReport {
         level: lv,

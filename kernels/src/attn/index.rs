@@ -288,6 +288,8 @@ pub(crate) fn scan(
     let t = thread_count(threads).min(visible.div_ceil(MIN_KEYS_PER_THREAD).max(1));
     // Whole tiles of eight per thread, so that only the last range has a partial tile.
     let chunk = visible.div_ceil(t).next_multiple_of(8).max(8);
+    #[cfg(target_arch = "x86_64")]
+    let vnni = super::avx512::Vnni::detect(level);
     let run = |start: usize, o: &mut [f32]| {
         let runs = keys
             .runs(start..start + o.len())
@@ -297,7 +299,7 @@ pub(crate) fn scan(
             // SAFETY: `level` is `Verified` as AVX2 or AVX-512 (which includes AVX2 and FMA),
             // so this CPU has AVX2 and FMA.
             SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe {
-                super::avx2::score_runs(query, runs, o)
+                super::avx2::score_runs(query, runs, vnni, o)
             },
             _ => {
                 let items =
@@ -398,6 +400,8 @@ pub(crate) fn gather(
     }
     let t = thread_count(threads).min(positions.len().div_ceil(MIN_KEYS_PER_THREAD).max(1));
     let chunk = positions.len().div_ceil(t).next_multiple_of(8).max(8);
+    #[cfg(target_arch = "x86_64")]
+    let vnni = super::avx512::Vnni::detect(level);
     let run = |pos: &[i32], o: &mut [f32]| {
         o.fill(f32::NEG_INFINITY);
         match level.level() {
@@ -405,7 +409,7 @@ pub(crate) fn gather(
             // SAFETY: `level` is `Verified` as AVX2 or AVX-512 (which includes AVX2 and FMA),
             // so this CPU has AVX2 and FMA.
             SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe {
-                super::avx2::score_positions(query, keys, visible, pos, o)
+                super::avx2::score_positions(query, keys, visible, pos, vnni, o)
             },
             _ => {
                 let items = pos.iter().enumerate().filter_map(|(i, &p)| {
