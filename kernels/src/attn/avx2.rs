@@ -232,13 +232,27 @@ fn index_tile8(
         }
     }
     let mut xs = [[zero; 4]; 8];
-    for (ki, (kb, x)) in kb.0.iter().zip(xs.iter_mut()).enumerate() {
-        let skey = [sk.0[0][ki], sk.0[1][ki], sk.0[2][ki], sk.0[3][ki]];
-        match vnni {
-            // SAFETY: a `Vnni` token exists only when this CPU has AVX-512 F/BW/VL and VNNI
-            // (`Vnni::detect`), which is what `key_heads_vnni` is compiled for.
-            Some(_) => unsafe { super::avx512::key_heads_vnni(p, kb, skey, x) },
-            None => key_heads(p, kb, skey, x),
+    let skey = |ki: usize| [sk.0[0][ki], sk.0[1][ki], sk.0[2][ki], sk.0[3][ki]];
+    match vnni {
+        Some(_) => {
+            const J: usize = super::avx512::VNNI_KEYS;
+            for (ki, (kb4, x4)) in
+                kb.0.as_chunks::<J>()
+                    .0
+                    .iter()
+                    .zip(xs.as_chunks_mut::<J>().0)
+                    .enumerate()
+            {
+                let s4: [[f32; 4]; J] = std::array::from_fn(|j| skey(J * ki + j));
+                // SAFETY: a `Vnni` token exists only when this CPU has AVX-512 F/BW/VL and
+                // VNNI (`Vnni::detect`), which is what `key_heads_vnni` is compiled for.
+                unsafe { super::avx512::key_heads_vnni(p, kb4.each_ref(), s4, x4) };
+            }
+        }
+        None => {
+            for (ki, (kb, x)) in kb.0.iter().zip(xs.iter_mut()).enumerate() {
+                key_heads(p, kb, skey(ki), x);
+            }
         }
     }
     // The head sum in head order, eight keys at once: transposed so that lanes are keys,

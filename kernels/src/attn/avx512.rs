@@ -441,48 +441,66 @@ fn ld_heads_f(t: &[[f32; 8]; 4], r: usize) -> __m512 {
     unsafe { _mm512_loadu_ps(t.as_ptr().add(2 * (r & 1)).cast()) }
 }
 
-/// The AVX2 indexer's `key_heads` with 16 heads per vector and `vpdpbusd`: per block, the
-/// eight 4-byte groups of the decoded key (`2k + 12`, unsigned) are broadcast and dotted with
-/// the matching groups of all heads straight into i32 lanes. That is the same integer the
-/// AVX2 kernel gets from `vpmaddubsw`, i16 sums and `vpmaddwd`, and the epilogue is the same
-/// lane-wise f32 operations, so `x` gets the same bits. Heads `16r'..16r'+16` end up in
-/// `x[2r']` (low half) and `x[2r'+1]`.
+/// Keys per call of [`key_heads_vnni`]: each query vector is loaded once for this many keys
+/// (with one key per load, the 128 loads per key bound the kernel, not the products).
+pub(crate) const VNNI_KEYS: usize = 4;
+
+/// The AVX2 indexer's `key_heads` for [`VNNI_KEYS`] keys at once, with 16 heads per vector and
+/// `vpdpbusd`: per block, each 4-byte group of a decoded key (`2k + 12`, unsigned) is broadcast
+/// and dotted with the matching group of all heads straight into i32 lanes. That is the same
+/// integer the AVX2 kernel gets from `vpmaddubsw`, i16 sums and `vpmaddwd`, and the epilogue is
+/// the same lane-wise f32 operations, so `x[j]` gets the same bits as AVX2's `key_heads` for
+/// key `j`. Heads `16r..16r+16` end up in `x[j][2r]` (low half) and `x[j][2r+1]`.
 #[inline(never)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-pub(crate) fn key_heads_vnni(p: &Prepared, kb: &[[u32; 8]; 4], sk: [f32; 4], x: &mut [__m256; 4]) {
+pub(crate) fn key_heads_vnni(
+    p: &Prepared,
+    kb: [&[[u32; 8]; 4]; VNNI_KEYS],
+    sk: [[f32; 4]; VNNI_KEYS],
+    x: &mut [[__m256; 4]; VNNI_KEYS],
+) {
     let zero = _mm512_setzero_ps();
-    let mut d = [zero; 2];
+    let mut d = [[zero; 2]; VNNI_KEYS];
     for c in 0..2 {
         let (b0, b1) = (2 * c, 2 * c + 1);
-        let mut a0 = [_mm512_setzero_si512(); 2];
-        let mut a1 = [_mm512_setzero_si512(); 2];
+        let mut a0 = [[_mm512_setzero_si512(); 2]; VNNI_KEYS];
+        let mut a1 = [[_mm512_setzero_si512(); 2]; VNNI_KEYS];
         for g in 0..8 {
-            let row = &kb[2 * c + g / 4];
-            let k0 = _mm512_set1_epi32(row[g % 4] as i32);
-            let k1 = _mm512_set1_epi32(row[4 + g % 4] as i32);
-            for r in 0..2 {
-                a0[r] = _mm512_dpbusd_epi32(a0[r], k0, ld_heads_i(&p.qv[b0][g], r));
-                a1[r] = _mm512_dpbusd_epi32(a1[r], k1, ld_heads_i(&p.qv[b1][g], r));
+            let q0 = [ld_heads_i(&p.qv[b0][g], 0), ld_heads_i(&p.qv[b0][g], 1)];
+            let q1 = [ld_heads_i(&p.qv[b1][g], 0), ld_heads_i(&p.qv[b1][g], 1)];
+            for ((kbj, a0j), a1j) in kb.iter().zip(a0.iter_mut()).zip(a1.iter_mut()) {
+                let row = &kbj[2 * c + g / 4];
+                let k0 = _mm512_set1_epi32(row[g % 4] as i32);
+                let k1 = _mm512_set1_epi32(row[4 + g % 4] as i32);
+                for r in 0..2 {
+                    a0j[r] = _mm512_dpbusd_epi32(a0j[r], k0, q0[r]);
+                    a1j[r] = _mm512_dpbusd_epi32(a1j[r], k1, q1[r]);
+                }
             }
         }
-        let (s0, s1) = (_mm512_set1_ps(sk[b0]), _mm512_set1_ps(sk[b1]));
-        for r in 0..2 {
-            // As in AVX2: `(I_raw - off) * 2^(eq - 127)` in one exact FMA, then the key's
-            // scale; the pair of blocks added with one rounding.
-            let i0 = _mm512_cvtepi32_ps(a0[r]);
-            let i1 = _mm512_cvtepi32_ps(a1[r]);
-            let u0 = _mm512_fmadd_ps(i0, ld_heads_f(&p.sq[b0], r), ld_heads_f(&p.offsq[b0], r));
-            let u1 = _mm512_fmadd_ps(i1, ld_heads_f(&p.sq[b1], r), ld_heads_f(&p.offsq[b1], r));
-            let v = _mm512_fmadd_ps(u1, s1, _mm512_mul_ps(u0, s0));
-            // d = p01 + p23, in that order.
-            d[r] = if c == 0 { v } else { _mm512_add_ps(d[r], v) };
+        for (j, dj) in d.iter_mut().enumerate() {
+            let (s0, s1) = (_mm512_set1_ps(sk[j][b0]), _mm512_set1_ps(sk[j][b1]));
+            for r in 0..2 {
+                // As in AVX2: `(I_raw - off) * 2^(eq - 127)` in one exact FMA, then the key's
+                // scale; the pair of blocks added with one rounding.
+                let i0 = _mm512_cvtepi32_ps(a0[j][r]);
+                let i1 = _mm512_cvtepi32_ps(a1[j][r]);
+                let u0 = _mm512_fmadd_ps(i0, ld_heads_f(&p.sq[b0], r), ld_heads_f(&p.offsq[b0], r));
+                let u1 = _mm512_fmadd_ps(i1, ld_heads_f(&p.sq[b1], r), ld_heads_f(&p.offsq[b1], r));
+                let v = _mm512_fmadd_ps(u1, s1, _mm512_mul_ps(u0, s0));
+                // d = p01 + p23, in that order.
+                dj[r] = if c == 0 { v } else { _mm512_add_ps(dj[r], v) };
+            }
         }
     }
-    for r in 0..2 {
-        let t = _mm512_mul_ps(_mm512_max_ps(d[r], zero), ld_heads_f(&p.w, r));
-        x[2 * r] = _mm512_castps512_ps256(t);
-        // The upper 256 bits via the integer extract (the float one needs AVX-512 DQ).
-        x[2 * r + 1] = _mm256_castsi256_ps(_mm512_extracti64x4_epi64::<1>(_mm512_castps_si512(t)));
+    for (dj, xj) in d.iter().zip(x.iter_mut()) {
+        for r in 0..2 {
+            let t = _mm512_mul_ps(_mm512_max_ps(dj[r], zero), ld_heads_f(&p.w, r));
+            xj[2 * r] = _mm512_castps512_ps256(t);
+            // The upper 256 bits via the integer extract (the float one needs AVX-512 DQ).
+            xj[2 * r + 1] =
+                _mm256_castsi256_ps(_mm512_extracti64x4_epi64::<1>(_mm512_castps_si512(t)));
+        }
     }
 }
 
