@@ -18,6 +18,7 @@ use super::sparse::{KvRow, LOGIT_SCALE, Partial, Prep};
 use super::tile::{Row512, flat, flat_mut, zeroed};
 use crate::SimdLevel;
 use crate::level::Verified;
+use crate::x86::avx512::{ld_ps, st_ps};
 
 /// Entries per tile, as in AVX2 (a multiple of the logit kernel's 12 rows).
 const TILE: usize = 48;
@@ -25,21 +26,6 @@ const TILE: usize = 48;
 const DC: usize = 64;
 /// Rows of the logit micro-kernel.
 const QK_ROWS: usize = 12;
-
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-fn ld_ps(a: &[f32; 16]) -> __m512 {
-    // SAFETY: `a` is 16 readable f32 (64 bytes); `loadu` accepts any alignment.
-    unsafe { _mm512_loadu_ps(a.as_ptr()) }
-}
-
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-fn st_ps(a: &mut [f32; 16], v: __m512) {
-    // SAFETY: `a` is 16 writable f32 (64 bytes) borrowed mutably; `storeu` accepts any
-    // alignment.
-    unsafe { _mm512_storeu_ps(a.as_mut_ptr(), v) }
-}
 
 /// `e^x` for 16 lanes, lane for lane the operations of the AVX2 `exp_ps` (same constants, same
 /// order), so both give the same bits.
@@ -94,13 +80,15 @@ fn dequantize_row(row: &KvRow<'_>, out: &mut Row512) {
     }
 }
 
-/// Logits of 12 entries x 16 heads over channels `d0..d0 + dc`: `s[j][h0..h0+16] (+)=
-/// sum_d kt[j0 + j][d] * qt[d][h0..h0+16]`. Twelve accumulators; per channel one query load
-/// and twelve broadcast-FMAs.
+/// Logits of 12 entries x `16 V` heads over channels `d0..d0 + dc`: `s[j][h0..h0+16V] (+)=
+/// sum_d kt[j0 + j][d] * qt[d][h0..h0+16V]`, with `12 V` accumulators. Per channel `V` query
+/// loads and twelve broadcasts feed `12 V` FMAs: `V = 2` (32 heads) is the main form; `V = 1`
+/// (13 loads per 12 FMAs, load-bound) only serves a trailing 16 heads. Each lane is one FMA
+/// chain over the channels, as in AVX2.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
 #[allow(clippy::too_many_arguments)]
-fn qk_12x16(
+fn qk_12<const V: usize>(
     kt: &[Row512],
     j0: usize,
     qt: &[f32],
@@ -113,94 +101,44 @@ fn qk_12x16(
 ) {
     let ok = j0 + QK_ROWS <= kt.len()
         && d0 + dc <= HEAD_DIM
-        && h0 + 16 <= hp
+        && h0 + 16 * V <= hp
         && qt.len() >= HEAD_DIM * hp
         && s.len() >= (j0 + QK_ROWS) * hp;
-    debug_assert!(ok, "qk_12x16 bounds");
+    debug_assert!(ok, "qk_12 bounds");
     if !ok {
         return;
     }
-    let mut acc = [_mm512_setzero_ps(); QK_ROWS];
+    let mut acc = [[_mm512_setzero_ps(); V]; QK_ROWS];
     // SAFETY: checked above: rows j0..j0+12 exist (Row512 is exactly 512 f32 without padding,
     // so rows are contiguous at stride 512); channels d0..d0+dc are inside each row; qt holds
-    // 512 rows of hp values and columns h0..h0+16 are inside a row; s holds rows j0..j0+12 of
-    // hp values. `loadu`/`storeu` accept any alignment.
+    // 512 rows of hp values and columns h0..h0+16V are inside a row; s holds rows j0..j0+12
+    // of hp values. `loadu`/`storeu` accept any alignment.
     unsafe {
         let srow = s.as_mut_ptr().add(j0 * hp + h0);
         if accumulate {
             for (j, a) in acc.iter_mut().enumerate() {
-                *a = _mm512_loadu_ps(srow.add(j * hp));
+                for (v, av) in a.iter_mut().enumerate() {
+                    *av = _mm512_loadu_ps(srow.add(j * hp + 16 * v));
+                }
             }
         }
         let mut kp = kt.as_ptr().add(j0).cast::<f32>().add(d0);
         let mut qp = qt.as_ptr().add(d0 * hp + h0);
         for _ in 0..dc {
-            let q = _mm512_loadu_ps(qp);
+            let q: [__m512; V] = std::array::from_fn(|v| _mm512_loadu_ps(qp.add(16 * v)));
             for (j, a) in acc.iter_mut().enumerate() {
                 let k = _mm512_set1_ps(*kp.add(j * HEAD_DIM));
-                *a = _mm512_fmadd_ps(k, q, *a);
+                for (av, qv) in a.iter_mut().zip(q) {
+                    *av = _mm512_fmadd_ps(k, qv, *av);
+                }
             }
             kp = kp.add(1);
             qp = qp.add(hp);
         }
         for (j, a) in acc.iter().enumerate() {
-            _mm512_storeu_ps(srow.add(j * hp), *a);
-        }
-    }
-}
-
-/// [`qk_12x16`] for 32 heads at once: 24 accumulators, and per channel two query loads and
-/// twelve broadcasts feed 24 FMAs (the 16-head form is load-bound: 13 loads per 12 FMAs).
-/// Each lane is the same FMA chain over the channels as in [`qk_12x16`].
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-fn qk_12x32(
-    kt: &[Row512],
-    j0: usize,
-    qt: &[f32],
-    hp: usize,
-    h0: usize,
-    d0: usize,
-    dc: usize,
-    accumulate: bool,
-    s: &mut [f32],
-) {
-    let ok = j0 + QK_ROWS <= kt.len()
-        && d0 + dc <= HEAD_DIM
-        && h0 + 32 <= hp
-        && qt.len() >= HEAD_DIM * hp
-        && s.len() >= (j0 + QK_ROWS) * hp;
-    debug_assert!(ok, "qk_12x32 bounds");
-    if !ok {
-        return;
-    }
-    let mut acc = [[_mm512_setzero_ps(); 2]; QK_ROWS];
-    // SAFETY: checked above, as in `qk_12x16` with columns h0..h0+32 inside a row of qt and s.
-    unsafe {
-        let srow = s.as_mut_ptr().add(j0 * hp + h0);
-        if accumulate {
-            for (j, a) in acc.iter_mut().enumerate() {
-                a[0] = _mm512_loadu_ps(srow.add(j * hp));
-                a[1] = _mm512_loadu_ps(srow.add(j * hp + 16));
+            for (v, av) in a.iter().enumerate() {
+                _mm512_storeu_ps(srow.add(j * hp + 16 * v), *av);
             }
-        }
-        let mut kp = kt.as_ptr().add(j0).cast::<f32>().add(d0);
-        let mut qp = qt.as_ptr().add(d0 * hp + h0);
-        for _ in 0..dc {
-            let q0 = _mm512_loadu_ps(qp);
-            let q1 = _mm512_loadu_ps(qp.add(16));
-            for (j, a) in acc.iter_mut().enumerate() {
-                let k = _mm512_set1_ps(*kp.add(j * HEAD_DIM));
-                a[0] = _mm512_fmadd_ps(k, q0, a[0]);
-                a[1] = _mm512_fmadd_ps(k, q1, a[1]);
-            }
-            kp = kp.add(1);
-            qp = qp.add(hp);
-        }
-        for (j, a) in acc.iter().enumerate() {
-            _mm512_storeu_ps(srow.add(j * hp), a[0]);
-            _mm512_storeu_ps(srow.add(j * hp + 16), a[1]);
         }
     }
 }
@@ -392,9 +330,9 @@ pub(crate) fn attend(prep: &Prep<'_>, rows: &[KvRow<'_>], st: &mut Partial) {
             for d0 in (0..HEAD_DIM).step_by(DC) {
                 for j0 in (0..np).step_by(QK_ROWS) {
                     if wide {
-                        qk_12x32(&kt, j0, qt, hp, h0, d0, DC, d0 > 0, s);
+                        qk_12::<2>(&kt, j0, qt, hp, h0, d0, DC, d0 > 0, s);
                     } else {
-                        qk_12x16(&kt, j0, qt, hp, h0, d0, DC, d0 > 0, s);
+                        qk_12::<1>(&kt, j0, qt, hp, h0, d0, DC, d0 > 0, s);
                     }
                 }
             }

@@ -35,14 +35,14 @@ use crate::scalar::{ABS_MASK, E4M3_SUB_BIAS, INF_BITS, QNAN_BITS, combine_mxfp4_
 
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-fn ld_ps(a: &[f32; 16]) -> __m512 {
+pub(crate) fn ld_ps(a: &[f32; 16]) -> __m512 {
     // SAFETY: `a` is 16 initialized f32 (64 readable bytes); `loadu` accepts any alignment.
     unsafe { _mm512_loadu_ps(a.as_ptr()) }
 }
 
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-fn st_ps(a: &mut [f32; 16], v: __m512) {
+pub(crate) fn st_ps(a: &mut [f32; 16], v: __m512) {
     // SAFETY: `a` is 16 writable f32 (64 bytes) borrowed mutably; `storeu` accepts any
     // alignment.
     unsafe { _mm512_storeu_ps(a.as_mut_ptr(), v) }
