@@ -2182,7 +2182,10 @@ impl Writer {
                 return Ok(b);
             }
             if self.ring_failed() {
-                return Err(Error::Closed);
+                // Keep the ring's own error as the cause, not a bare "closed".
+                return Err(Error::WriteFailed {
+                    reason: self.batch_error.clone().unwrap_or_default(),
+                });
             }
             if self.engine.in_flight() == 0 {
                 // Every buffer is free when nothing is in flight; this is unreachable unless
