@@ -15,9 +15,9 @@
 //!
 //! Levels: [`SimdLevel::Portable`] everywhere, [`SimdLevel::Avx2`] (AVX2 + FMA) and
 //! [`SimdLevel::Avx512`] (AVX-512 F/BW/VL) on x86-64, chosen at run time with
-//! `is_x86_feature_detected!` (never from `-C target-cpu`). The codecs and fused dots have a
-//! kernel per level; the attention kernels ([`attn`]) have portable and AVX2 forms, and run the
-//! AVX2 form at the AVX-512 level.
+//! `is_x86_feature_detected!` (never from `-C target-cpu`). The codecs, fused dots and
+//! attention kernels ([`attn`]) have a kernel per level (the indexer's AVX-512 form is its AVX2
+//! kernel with VNNI products where the CPU has AVX-512 VNNI).
 //!
 //! # Example
 //!

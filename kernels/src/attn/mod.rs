@@ -36,10 +36,13 @@
 //! One decode token: 64 heads x 512 f32 queries attend over the window's FP8 entries and the
 //! selected FP4 entries (`-1` slots skipped), `V = K`, logits `q . k * 512^-0.5`, a per-head
 //! sink adding `exp(sink)` to the softmax denominator only. Each entry is dequantized once per
-//! thread into an f32 tile shared by all heads; register-blocked FMA micro-kernels compute the
-//! logits of 16 heads x 6 entries and the `P . V` update of 6 heads x 16 channels, with an
-//! online (flash-style) softmax between them. Threads split the entries and merge their
-//! partial softmax states at the end.
+//! task into an f32 tile shared by the task's heads; register-blocked FMA micro-kernels compute
+//! the logits (AVX2: 16 heads x 6 entries; AVX-512: 32 heads x 12 entries) and the `P . V`
+//! update (6 heads x 16 channels; 12 heads x 32 channels), with an online (flash-style)
+//! softmax between them. Threads split the heads first, in groups of 32,
+//! each group computed exactly as one thread computes it (so up to one thread per group the
+//! bits do not depend on the thread count); threads beyond that split a group's entries and
+//! merge their partial softmax states at the end.
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;

@@ -70,9 +70,11 @@ pub(crate) const LOGIT_SCALE: f32 = std::f32::consts::FRAC_1_SQRT_2 / 16.0;
 /// restricted to the entries (the sink column has value zero), `V = K`, over the window
 /// entries and the selected global entries. With no entries and no sink the output is zero.
 ///
-/// `threads` (>= 1) threads split the entries and merge their partial softmax states; the
-/// result depends on the thread count only through f32 rounding (see the module tests for the
-/// error bound against an f64 reference).
+/// `threads` (>= 1) tasks share the work: first the heads, in groups of 32 (each group's
+/// output is computed exactly as a single thread computes it, so with at most one thread per
+/// group the result does not depend on the thread count); threads beyond that split each
+/// group's entries and merge their partial softmax states, which changes the result only
+/// through f32 rounding (see the module tests for the error bound against an f64 reference).
 ///
 /// # Errors
 ///
@@ -145,16 +147,97 @@ pub(crate) fn decode(
         });
     }
     let rows = gather_rows(input)?;
-    let prep = Prep::new(level, input.q);
-    // Fewer than a few tiles per thread is not worth a thread.
-    let t = thread_count(threads).min(rows.len().div_ceil(MIN_ROWS_PER_THREAD).max(1));
-    let chunk = rows.len().div_ceil(t).max(1);
-    let chunks: Vec<&[KvRow<'_>]> = rows.chunks(chunk).collect();
-    let mut slots: Vec<Option<Partial>> = (0..chunks.len()).map(|_| None).collect();
-    // The first chunk runs here, the others on the worker pool (see `thread_count`); a
-    // worker's panic (a bug) is passed on by the scope rather than merged as missing entries.
+    let plan = Split::new(heads, rows.len(), thread_count(threads));
+    // Head groups run as tasks of one scope (the first on this thread, the others on the
+    // worker pool, see `thread_count`); a task's panic (a bug) is passed on by the scope.
+    let mut outs: Vec<(usize, &mut [[f32; HEAD_DIM]])> = Vec::with_capacity(plan.groups);
+    let mut rest = out;
+    let mut h0 = 0;
+    while !rest.is_empty() {
+        let (g, r) = rest.split_at_mut(plan.group_heads.min(rest.len()));
+        let n = g.len();
+        outs.push((h0, g));
+        h0 += n;
+        rest = r;
+    }
+    let rows = &rows[..];
     rayon::in_place_scope(|s| {
-        let mut work = slots.iter_mut().zip(&chunks);
+        let mut work = outs.into_iter();
+        let first = work.next();
+        for (h0, o) in work {
+            s.spawn(move |_| attend_group(level, input, h0, rows, plan.row_chunks, o));
+        }
+        if let Some((h0, o)) = first {
+            attend_group(level, input, h0, rows, plan.row_chunks, o);
+        }
+    });
+    Ok(())
+}
+
+/// How one decode call is cut into tasks: heads into groups (each task transposes its own
+/// queries and owns its output rows, so nothing is merged across groups), then, when there
+/// are more threads than groups, each group's rows into chunks whose partial softmax states
+/// are merged.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Split {
+    /// Heads per group (the last group may have fewer).
+    pub(crate) group_heads: usize,
+    /// Number of head groups.
+    pub(crate) groups: usize,
+    /// Row chunks per group.
+    pub(crate) row_chunks: usize,
+}
+
+impl Split {
+    /// Groups of [`GROUP_HEADS`] heads (the widest logit kernel), at most one per thread,
+    /// then the threads left over split each group's rows, keeping at least
+    /// [`MIN_ROWS_PER_THREAD`] rows per chunk.
+    pub(crate) fn new(heads: usize, rows: usize, threads: usize) -> Self {
+        let threads = threads.max(1);
+        let groups = heads.div_ceil(GROUP_HEADS).clamp(1, threads);
+        // Heads per group, a multiple of 16 (the kernels' head vector) unless one group.
+        let group_heads = if groups == 1 {
+            heads.max(1)
+        } else {
+            heads.div_ceil(groups).next_multiple_of(16)
+        };
+        let groups = heads.div_ceil(group_heads).max(1);
+        let row_chunks = (threads / groups)
+            .min(rows.div_ceil(MIN_ROWS_PER_THREAD))
+            .max(1);
+        Split {
+            group_heads,
+            groups,
+            row_chunks,
+        }
+    }
+}
+
+/// Heads per task when the threads allow: the 32 heads of the widest logit kernel.
+const GROUP_HEADS: usize = 32;
+
+/// Fewer rows than this per thread run on fewer threads.
+const MIN_ROWS_PER_THREAD: usize = 96;
+
+/// One head group (heads `h0..h0 + out.len()`): its rows in `chunks` pieces (the first on
+/// this thread), partial states merged with the group's sinks into `out`.
+fn attend_group(
+    level: Verified,
+    input: &SparseAttnInput<'_>,
+    h0: usize,
+    rows: &[KvRow<'_>],
+    chunks: usize,
+    out: &mut [[f32; HEAD_DIM]],
+) {
+    let heads = h0..h0 + out.len();
+    let q = input.q.get(heads.clone()).unwrap_or_default();
+    let sinks = input.sinks.and_then(|s| s.get(heads));
+    let prep = Prep::new(level, q);
+    let chunk = rows.len().div_ceil(chunks.max(1)).max(1);
+    let pieces: Vec<&[KvRow<'_>]> = rows.chunks(chunk).collect();
+    let mut slots: Vec<Option<Partial>> = (0..pieces.len()).map(|_| None).collect();
+    rayon::in_place_scope(|s| {
+        let mut work = slots.iter_mut().zip(&pieces);
         let first = work.next();
         for (slot, c) in work {
             let prep = &prep;
@@ -168,12 +251,8 @@ pub(crate) fn decode(
     if parts.is_empty() {
         parts.push(Partial::new(prep.hp));
     }
-    merge(&parts, input.sinks, out);
-    Ok(())
+    merge(&parts, sinks, out);
 }
-
-/// Fewer rows than this per thread run on fewer threads.
-const MIN_ROWS_PER_THREAD: usize = 96;
 
 /// Queries prepared for a level: the AVX2 kernels read them transposed (`qt[d][h]`, heads
 /// padded to a multiple of 16 with zeros), the portable path as given.

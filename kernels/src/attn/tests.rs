@@ -279,6 +279,68 @@ fn sparse_attention_matches_the_f64_reference() {
 }
 
 #[test]
+fn sparse_attention_head_groups_give_the_single_thread_bits() {
+    // Threads up to one per 32-head group split heads, not entries: every head is computed
+    // exactly as on one thread, whatever the thread count.
+    let mut r = StdRng::seed_from_u64(31);
+    for heads in [64, 48, 96] {
+        let d = attn_data(&mut r, heads, 128, 700);
+        let sel: Vec<i32> = (0..512).map(|_| r.random_range(0..700)).collect();
+        let runs = [&d.window[..]];
+        let input = SparseAttnInput {
+            q: &d.q,
+            sinks: Some(&d.sinks),
+            window: &runs,
+            global: Paged::contiguous(&d.global),
+            selected: &sel,
+        };
+        for level in available_levels() {
+            let run = |t| {
+                let mut o = vec![[0f32; HEAD_DIM]; heads];
+                sparse_attention_decode_with(level, &input, t, &mut o).unwrap();
+                o
+            };
+            let one = run(1);
+            for t in 2..=heads.div_ceil(32) {
+                let got = run(t);
+                for (h, (a, b)) in one.iter().zip(&got).enumerate() {
+                    for (c, (x, y)) in a.iter().zip(b).enumerate() {
+                        assert_eq!(
+                            x.to_bits(),
+                            y.to_bits(),
+                            "{level} heads {heads} t{t}: head {h} channel {c}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn sparse_attention_split_plans() {
+    use super::sparse::Split;
+    let plan = |h, r, t| {
+        let s = Split::new(h, r, t);
+        (s.group_heads, s.groups, s.row_chunks)
+    };
+    // Heads first, in groups of 32; threads left over split the entries.
+    assert_eq!(plan(64, 640, 1), (64, 1, 1));
+    assert_eq!(plan(64, 640, 2), (32, 2, 1));
+    assert_eq!(plan(64, 640, 3), (32, 2, 1));
+    assert_eq!(plan(64, 640, 4), (32, 2, 2));
+    assert_eq!(plan(64, 640, 16), (32, 2, 7));
+    // Few entries: no more chunks than 96-entry pieces.
+    assert_eq!(plan(64, 100, 8), (32, 2, 2));
+    assert_eq!(plan(64, 0, 8), (32, 2, 1));
+    // Odd head counts: groups are whole 16-head vectors; small counts stay in one group.
+    assert_eq!(plan(48, 640, 2), (32, 2, 1));
+    assert_eq!(plan(17, 640, 4), (17, 1, 4));
+    assert_eq!(plan(5, 640, 2), (5, 1, 2));
+    assert_eq!(plan(0, 640, 2), (1, 1, 2));
+}
+
+#[test]
 fn sparse_attention_edge_cases() {
     let mut r = StdRng::seed_from_u64(13);
     // Head count not a multiple of 16, tiny and odd row counts, no sinks, large logits.

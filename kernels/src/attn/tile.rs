@@ -31,13 +31,24 @@ pub(crate) fn zeroed(n: usize) -> Vec<V8> {
 }
 
 /// The queries transposed, `qt[d * hp + h] = q[h][d]`, heads padded with zeros to `hp`.
+///
+/// Done in 16 x 16 blocks: writing one head's 512 values at a stride of `hp` floats touches
+/// 512 lines that map onto a few L1 sets (65 us for 64 heads); a block reads 16 lines and
+/// writes 16 whole lines.
 pub(crate) fn transpose_q(q: &[[f32; HEAD_DIM]], hp: usize) -> Vec<V8> {
+    const B: usize = 16;
     let mut qt = zeroed(HEAD_DIM * hp);
     let f = flat_mut(&mut qt);
-    for (h, row) in q.iter().enumerate().take(hp) {
-        for (d, &x) in row.iter().enumerate() {
-            if let Some(t) = f.get_mut(d * hp + h) {
-                *t = x;
+    let q = q.get(..q.len().min(hp)).unwrap_or_default();
+    for (hb, heads) in q.chunks(B).enumerate() {
+        for db in (0..HEAD_DIM).step_by(B) {
+            for (i, row) in heads.iter().enumerate() {
+                let src = row.get(db..db + B).unwrap_or_default();
+                for (j, &x) in src.iter().enumerate() {
+                    if let Some(t) = f.get_mut((db + j) * hp + hb * B + i) {
+                        *t = x;
+                    }
+                }
             }
         }
     }
