@@ -70,7 +70,7 @@ const fn key_lut() -> [u8; 32] {
     }
     t
 }
-static KEY_LUT: [u8; 32] = key_lut();
+pub(crate) static KEY_LUT: [u8; 32] = key_lut();
 
 /// Transposes an 8 x 8 block: lane `e` of result `i` is lane `i` of `v[e]`.
 #[inline]
@@ -171,12 +171,7 @@ fn key_heads(p: &Prepared, kb: &[[u32; 8]; 4], sk: [f32; 4], x: &mut [__m256; 4]
 /// order (see the [module documentation](super)).
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-fn index_tile8(
-    p: &Prepared,
-    keys: &[&IndexMxfp4Entry; 8],
-    vnni: Option<Vnni>,
-    out: &mut [f32; 8],
-) -> bool {
+fn index_tile8(p: &Prepared, keys: &[&IndexMxfp4Entry; 8], out: &mut [f32; 8]) -> bool {
     let Some(lim) = p.fast else {
         return false;
     };
@@ -232,28 +227,9 @@ fn index_tile8(
         }
     }
     let mut xs = [[zero; 4]; 8];
-    let skey = |ki: usize| [sk.0[0][ki], sk.0[1][ki], sk.0[2][ki], sk.0[3][ki]];
-    match vnni {
-        Some(_) => {
-            const J: usize = super::avx512::VNNI_KEYS;
-            for (ki, (kb4, x4)) in
-                kb.0.as_chunks::<J>()
-                    .0
-                    .iter()
-                    .zip(xs.as_chunks_mut::<J>().0)
-                    .enumerate()
-            {
-                let s4: [[f32; 4]; J] = std::array::from_fn(|j| skey(J * ki + j));
-                // SAFETY: a `Vnni` token exists only when this CPU has AVX-512 F/BW/VL and
-                // VNNI (`Vnni::detect`), which is what `key_heads_vnni` is compiled for.
-                unsafe { super::avx512::key_heads_vnni(p, kb4.each_ref(), s4, x4) };
-            }
-        }
-        None => {
-            for (ki, (kb, x)) in kb.0.iter().zip(xs.iter_mut()).enumerate() {
-                key_heads(p, kb, skey(ki), x);
-            }
-        }
+    for (ki, (kb, x)) in kb.0.iter().zip(xs.iter_mut()).enumerate() {
+        let skey = [sk.0[0][ki], sk.0[1][ki], sk.0[2][ki], sk.0[3][ki]];
+        key_heads(p, kb, skey, x);
     }
     // The head sum in head order, eight keys at once: transposed so that lanes are keys,
     // `s = T_0; s = s + T_h` for h = 1..32.
@@ -282,23 +258,23 @@ fn ld_ps(a: &[f32; 8]) -> __m256 {
 /// prefetcher stops.
 const KEY_PREFETCH: usize = 32 * IndexMxfp4Entry::BYTES;
 
-/// A partial tile of gathered keys with their destinations.
-struct Carry<'a> {
-    keys: [(usize, Option<&'a IndexMxfp4Entry>); 8],
+/// A partial tile of `N` gathered keys with their destinations.
+struct Carry<'a, const N: usize> {
+    keys: [(usize, Option<&'a IndexMxfp4Entry>); N],
     n: usize,
     vnni: Option<Vnni>,
 }
 
-impl<'a> Carry<'a> {
+impl<'a, const N: usize> Carry<'a, N> {
     fn new(vnni: Option<Vnni>) -> Self {
         Carry {
-            keys: [(usize::MAX, None); 8],
+            keys: [(usize::MAX, None); N],
             n: 0,
             vnni,
         }
     }
 
-    /// Adds a key; scores the tile once it holds eight.
+    /// Adds a key; scores the tile once it holds `N`.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     fn push(&mut self, q: &IndexQuery, d: usize, k: &'a IndexMxfp4Entry, out: &mut [f32]) {
@@ -306,7 +282,7 @@ impl<'a> Carry<'a> {
             *slot = (d, Some(k));
         }
         self.n += 1;
-        if self.n == 8 {
+        if self.n == N {
             self.flush(q, out);
         }
     }
@@ -320,22 +296,65 @@ impl<'a> Carry<'a> {
             return;
         };
         let keys = self.keys.map(|(_, k)| k.unwrap_or(first));
-        let s = score8(q, &keys, self.vnni);
+        let mut s = [0f32; N];
+        score_tile(q, &keys, self.vnni, &mut s);
         for ((d, _), &v) in self.keys.iter().zip(&s).take(n) {
             if let Some(o) = out.get_mut(*d) {
                 *o = v;
             }
         }
-        self.keys = [(usize::MAX, None); 8];
+        self.keys = [(usize::MAX, None); N];
+    }
+}
+
+/// Scores a tile of `N` keys: with VNNI (and `N` a multiple of 16) sixteen keys per kernel
+/// call, lanes = keys ([`super::avx512::index_tile16`]); otherwise eight per call of the AVX2
+/// kernel. A sub-tile the integer kernel declines goes through the exact path.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn score_tile<const N: usize>(
+    q: &IndexQuery,
+    keys: &[&IndexMxfp4Entry; N],
+    vnni: Option<Vnni>,
+    out: &mut [f32; N],
+) {
+    const L: usize = super::avx512::KEY_LANES;
+    match vnni {
+        Some(_) if N.is_multiple_of(L) => {
+            for (k, o) in keys
+                .as_chunks::<L>()
+                .0
+                .iter()
+                .zip(out.as_chunks_mut::<L>().0)
+            {
+                // SAFETY: a `Vnni` token exists only when this CPU has AVX-512 F/BW/VL and
+                // VNNI (`Vnni::detect`), which is what `index_tile16` is compiled for.
+                if !unsafe { super::avx512::index_tile16(&q.prep, k, o) } {
+                    for (x, key) in o.iter_mut().zip(k) {
+                        *x = score_exact(q, key);
+                    }
+                }
+            }
+        }
+        _ => {
+            for (k, o) in keys
+                .as_chunks::<8>()
+                .0
+                .iter()
+                .zip(out.as_chunks_mut::<8>().0)
+            {
+                *o = score8(q, k);
+            }
+        }
     }
 }
 
 /// Eight scores: the integer kernel, or the exact path for a tile it declines.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-fn score8(q: &IndexQuery, keys: &[&IndexMxfp4Entry; 8], vnni: Option<Vnni>) -> [f32; 8] {
+fn score8(q: &IndexQuery, keys: &[&IndexMxfp4Entry; 8]) -> [f32; 8] {
     let mut s = A32([0f32; 8]);
-    if !index_tile8(&q.prep, keys, vnni, &mut s.0) {
+    if !index_tile8(&q.prep, keys, &mut s.0) {
         for (o, k) in s.0.iter_mut().zip(keys) {
             *o = score_exact(q, k);
         }
@@ -358,13 +377,30 @@ pub(crate) fn score_positions(
     vnni: Option<Vnni>,
     out: &mut [f32],
 ) {
+    if vnni.is_some() {
+        score_positions_n::<{ super::avx512::KEY_LANES }>(q, keys, visible, positions, vnni, out);
+    } else {
+        score_positions_n::<8>(q, keys, visible, positions, vnni, out);
+    }
+}
+
+/// [`score_positions`] in tiles of `N` keys.
+#[target_feature(enable = "avx2,fma")]
+fn score_positions_n<const N: usize>(
+    q: &IndexQuery,
+    keys: Paged<'_, IndexMxfp4Entry>,
+    visible: usize,
+    positions: &[i32],
+    vnni: Option<Vnni>,
+    out: &mut [f32],
+) {
     let key = |p: i32| {
         usize::try_from(p)
             .ok()
             .filter(|&p| p < visible)
             .and_then(|p| keys.get(p))
     };
-    let mut carry = Carry::new(vnni);
+    let mut carry = Carry::<N>::new(vnni);
     for (i, &p) in positions.iter().enumerate() {
         if let Some(&a) = positions.get(i + GATHER_AHEAD)
             && let Some(k) = key(a)
@@ -392,11 +428,26 @@ pub(crate) fn score_runs<'a>(
     vnni: Option<Vnni>,
     out: &mut [f32],
 ) {
-    let mut carry = Carry::new(vnni);
+    if vnni.is_some() {
+        score_runs_n::<{ super::avx512::KEY_LANES }>(q, runs, vnni, out);
+    } else {
+        score_runs_n::<8>(q, runs, vnni, out);
+    }
+}
+
+/// [`score_runs`] in tiles of `N` keys.
+#[target_feature(enable = "avx2,fma")]
+fn score_runs_n<'a, const N: usize>(
+    q: &IndexQuery,
+    runs: impl Iterator<Item = (usize, &'a [IndexMxfp4Entry])>,
+    vnni: Option<Vnni>,
+    out: &mut [f32],
+) {
+    let mut carry = Carry::<N>::new(vnni);
     for (d0, run) in runs {
         // Complete a pending tile first, so that the rest of the run is tile-aligned.
         let lead = if carry.n > 0 {
-            (8 - carry.n).min(run.len())
+            (N - carry.n).min(run.len())
         } else {
             0
         };
@@ -404,7 +455,7 @@ pub(crate) fn score_runs<'a>(
         for (i, k) in head.iter().enumerate() {
             carry.push(q, d0 + i, k, out);
         }
-        let (tiles, tail) = rest.as_chunks::<8>();
+        let (tiles, tail) = rest.as_chunks::<N>();
         let mut d = d0 + lead;
         for t in tiles {
             let p = t.as_ptr().cast::<i8>();
@@ -414,11 +465,12 @@ pub(crate) fn score_runs<'a>(
                 _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(KEY_PREFETCH + off));
                 _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(8 * KEY_PREFETCH + off));
             }
-            let s = score8(q, &t.each_ref(), vnni);
-            if let Some(o) = out.get_mut(d..d + 8) {
+            let mut s = [0f32; N];
+            score_tile(q, &t.each_ref(), vnni, &mut s);
+            if let Some(o) = out.get_mut(d..d + N) {
                 o.copy_from_slice(&s);
             }
-            d += 8;
+            d += N;
         }
         for (i, k) in tail.iter().enumerate() {
             carry.push(q, d + i, k, out);
@@ -795,5 +847,5 @@ pub(crate) fn int8_peak(iters: u64, seed: i32) -> i32 {
 #[target_feature(enable = "avx2,fma")]
 pub(crate) fn tile_accepted(q: &IndexQuery, keys: &[&IndexMxfp4Entry; 8]) -> bool {
     let mut out = [0f32; 8];
-    index_tile8(&q.prep, keys, None, &mut out)
+    index_tile8(&q.prep, keys, &mut out)
 }

@@ -12,7 +12,9 @@
 
 use core::arch::x86_64::*;
 
-use super::HEAD_DIM;
+use super::{HEAD_DIM, INDEX_HEADS};
+use kvstack_firmware_interface::IndexMxfp4Entry;
+
 use super::index::Prepared;
 use super::sparse::{KvRow, LOGIT_SCALE, Partial, Prep};
 use super::tile::{Row512, flat, flat_mut, zeroed};
@@ -360,86 +362,167 @@ impl Vnni {
     }
 }
 
-/// Heads `16r..16r + 16` (vectors `2r` and `2r + 1`, contiguous) of a four-vector table of
-/// query bytes; `r` is taken mod 2.
+/// Transposes a 16 x 16 block of 32-bit lanes: lane `e` of result `i` is lane `i` of `r[e]`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-fn ld_heads_i(t: &[[u8; 32]; 4], r: usize) -> __m512i {
-    // SAFETY: `t` is 4 x 32 contiguous readable bytes and `2 (r mod 2) <= 2`, so the 64 bytes
-    // from vector `2 (r mod 2)` on lie inside it; `loadu` accepts any alignment.
-    unsafe { _mm512_loadu_si512(t.as_ptr().add(2 * (r & 1)).cast()) }
+fn transpose16(r: [__m512i; 16]) -> [__m512i; 16] {
+    // Rows in pairs, then quads: within each 128-bit lane `L`, `u[4i + k]` holds column
+    // `4L + k` of rows `4i..4i+4`.
+    let t: [__m512i; 16] = std::array::from_fn(|x| {
+        let (a, b) = (r[x & !1], r[x | 1]);
+        if x % 2 == 0 {
+            _mm512_unpacklo_epi32(a, b)
+        } else {
+            _mm512_unpackhi_epi32(a, b)
+        }
+    });
+    let u: [__m512i; 16] = std::array::from_fn(|x| {
+        let (i, k) = (x / 4, x % 4);
+        let (a, b) = (t[4 * i + k / 2], t[4 * i + 2 + k / 2]);
+        if k % 2 == 0 {
+            _mm512_unpacklo_epi64(a, b)
+        } else {
+            _mm512_unpackhi_epi64(a, b)
+        }
+    });
+    // Then the 128-bit lanes: column `4L + k` gathers lane `L` of `u[k]`, `u[4 + k]`,
+    // `u[8 + k]`, `u[12 + k]`.
+    let mut out = [_mm512_setzero_si512(); 16];
+    for k in 0..4 {
+        let s0 = _mm512_shuffle_i32x4::<0x44>(u[k], u[4 + k]);
+        let s1 = _mm512_shuffle_i32x4::<0xEE>(u[k], u[4 + k]);
+        let s2 = _mm512_shuffle_i32x4::<0x44>(u[8 + k], u[12 + k]);
+        let s3 = _mm512_shuffle_i32x4::<0xEE>(u[8 + k], u[12 + k]);
+        out[k] = _mm512_shuffle_i32x4::<0x88>(s0, s2);
+        out[4 + k] = _mm512_shuffle_i32x4::<0xDD>(s0, s2);
+        out[8 + k] = _mm512_shuffle_i32x4::<0x88>(s1, s3);
+        out[12 + k] = _mm512_shuffle_i32x4::<0xDD>(s1, s3);
+    }
+    out
 }
 
-/// [`ld_heads_i`] for a four-vector table of f32.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-fn ld_heads_f(t: &[[f32; 8]; 4], r: usize) -> __m512 {
-    // SAFETY: `t` is 4 x 8 contiguous readable f32 and `2 (r mod 2) <= 2`, so the 16 values
-    // from vector `2 (r mod 2)` on lie inside it; `loadu` accepts any alignment.
-    unsafe { _mm512_loadu_ps(t.as_ptr().add(2 * (r & 1)).cast()) }
-}
+/// Keys per tile of [`index_tile16`]: one per 32-bit lane.
+pub(crate) const KEY_LANES: usize = 16;
 
-/// Keys per call of [`key_heads_vnni`]: each query vector is loaded once for this many keys
-/// (with one key per load, the 128 loads per key bound the kernel, not the products).
-pub(crate) const VNNI_KEYS: usize = 4;
-
-/// The AVX2 indexer's `key_heads` for [`VNNI_KEYS`] keys at once, with 16 heads per vector and
-/// `vpdpbusd`: per block, each 4-byte group of a decoded key (`2k + 12`, unsigned) is broadcast
-/// and dotted with the matching group of all heads straight into i32 lanes. That is the same
-/// integer the AVX2 kernel gets from `vpmaddubsw`, i16 sums and `vpmaddwd`, and the epilogue is
-/// the same lane-wise f32 operations, so `x[j]` gets the same bits as AVX2's `key_heads` for
-/// key `j`. Heads `16r..16r+16` end up in `x[j][2r]` (low half) and `x[j][2r+1]`.
-#[inline(never)]
+/// Scores sixteen keys with VNNI, lanes = keys; `false` (and nothing written) when the tile's
+/// scale exponents are outside the fast path's window (see [`super::IndexQuery`]), so the
+/// caller must use the exact path.
+///
+/// The keys' packed bytes are transposed (vector `dw` holds bytes `4dw..4dw+4` of every key)
+/// and decoded to `2k + 12` (unsigned bytes); each head's four-byte query groups are
+/// broadcast against them, `vpdpbusd` summing each block's 32 products in i32 from a start
+/// of `-12 * sum(2q)`, so the accumulator is the block's exact integer `I_b`. Then
+/// `d = sum_b I_b * 2^(eq_b - 127) * 2^(ek_b - 129)` in f32: every product is exact and, under
+/// the fast-path conditions, every partial sum is an integer below 2^24 times the smallest
+/// term's power of two, so `d` is exact in any order and equals the AVX2 kernel's. The head
+/// terms `w[h] * relu(d[h])` are then summed in head order (`s = T_0; s = s + T_h`), lane for
+/// lane the operations of the other levels: the scores are bit-identical to theirs.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-pub(crate) fn key_heads_vnni(
+pub(crate) fn index_tile16(
     p: &Prepared,
-    kb: [&[[u32; 8]; 4]; VNNI_KEYS],
-    sk: [[f32; 4]; VNNI_KEYS],
-    x: &mut [[__m256; 4]; VNNI_KEYS],
-) {
+    keys: &[&IndexMxfp4Entry; KEY_LANES],
+    out: &mut [f32; KEY_LANES],
+) -> bool {
+    let Some(lim) = p.fast else {
+        return false;
+    };
+    let sc: [u32; KEY_LANES] = keys.map(|k| u32::from_le_bytes(k.scales));
+    let s = ld_u32x16(&sc);
+    let m = _mm512_set1_epi32(0xFF);
+    let e = [
+        _mm512_and_si512(s, m),
+        _mm512_and_si512(_mm512_srli_epi32::<8>(s), m),
+        _mm512_and_si512(_mm512_srli_epi32::<16>(s), m),
+        _mm512_srli_epi32::<24>(s),
+    ];
+    let emin = _mm512_min_epi32(_mm512_min_epi32(e[0], e[1]), _mm512_min_epi32(e[2], e[3]));
+    let emax = _mm512_max_epi32(_mm512_max_epi32(e[0], e[1]), _mm512_max_epi32(e[2], e[3]));
+    let bad = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(lim.kmin), emin)
+        | _mm512_cmpgt_epi32_mask(emax, _mm512_set1_epi32(lim.kmax))
+        | _mm512_cmpgt_epi32_mask(_mm512_sub_epi32(emax, emin), _mm512_set1_epi32(lim.kspan));
+    if bad != 0 {
+        return false;
+    }
+    // 2^(ek - 129): the key's scale and the 1/4 of `2k * 2q` (normal: ek >= kmin >= 3).
+    let two = _mm512_set1_epi32(2);
+    let sk = e.map(|x| _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_sub_epi32(x, two))));
+
+    // Decoded keys: kb[b][g] = group g of block b of all sixteen keys.
+    let packed = transpose16(keys.map(|k| ld_values(&k.values)));
+    let lut = _mm512_broadcast_i32x4(ld_lut());
+    let nib = _mm512_set1_epi8(0x0F);
+    let mut kb = [[_mm512_setzero_si512(); 8]; 4];
+    for (dw, v) in packed.iter().enumerate() {
+        let lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(*v, nib));
+        let hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16::<4>(*v), nib));
+        let grp = &mut kb[dw / 4];
+        grp[2 * (dw % 4)] = lo;
+        grp[2 * (dw % 4) + 1] = hi;
+    }
+
     let zero = _mm512_setzero_ps();
-    let mut d = [[zero; 2]; VNNI_KEYS];
-    for c in 0..2 {
-        let (b0, b1) = (2 * c, 2 * c + 1);
-        let mut a0 = [[_mm512_setzero_si512(); 2]; VNNI_KEYS];
-        let mut a1 = [[_mm512_setzero_si512(); 2]; VNNI_KEYS];
-        for g in 0..8 {
-            let q0 = [ld_heads_i(&p.qv[b0][g], 0), ld_heads_i(&p.qv[b0][g], 1)];
-            let q1 = [ld_heads_i(&p.qv[b1][g], 0), ld_heads_i(&p.qv[b1][g], 1)];
-            for ((kbj, a0j), a1j) in kb.iter().zip(a0.iter_mut()).zip(a1.iter_mut()) {
-                let row = &kbj[2 * c + g / 4];
-                let k0 = _mm512_set1_epi32(row[g % 4] as i32);
-                let k1 = _mm512_set1_epi32(row[4 + g % 4] as i32);
-                for r in 0..2 {
-                    a0j[r] = _mm512_dpbusd_epi32(a0j[r], k0, q0[r]);
-                    a1j[r] = _mm512_dpbusd_epi32(a1j[r], k1, q1[r]);
+    let mut total = zero;
+    for hc in 0..INDEX_HEADS / 16 {
+        let heads = 16 * hc..16 * hc + 16;
+        let (kq, koff, ksq, kw) = (
+            &p.kq[heads.clone()],
+            &p.koff[heads.clone()],
+            &p.ksq[heads.clone()],
+            &p.kw[heads],
+        );
+        let mut d = [zero; 16];
+        for (b, kbb) in kb.iter().enumerate() {
+            let mut acc: [__m512i; 16] = std::array::from_fn(|i| _mm512_set1_epi32(koff[i][b]));
+            for (g, kg) in kbb.iter().enumerate() {
+                for (a, q) in acc.iter_mut().zip(kq) {
+                    *a = _mm512_dpbusd_epi32(*a, *kg, _mm512_set1_epi32(q[b][g] as i32));
                 }
             }
-        }
-        for (j, dj) in d.iter_mut().enumerate() {
-            let (s0, s1) = (_mm512_set1_ps(sk[j][b0]), _mm512_set1_ps(sk[j][b1]));
-            for r in 0..2 {
-                // As in AVX2: `(I_raw - off) * 2^(eq - 127)` in one exact FMA, then the key's
-                // scale; the pair of blocks added with one rounding.
-                let i0 = _mm512_cvtepi32_ps(a0[j][r]);
-                let i1 = _mm512_cvtepi32_ps(a1[j][r]);
-                let u0 = _mm512_fmadd_ps(i0, ld_heads_f(&p.sq[b0], r), ld_heads_f(&p.offsq[b0], r));
-                let u1 = _mm512_fmadd_ps(i1, ld_heads_f(&p.sq[b1], r), ld_heads_f(&p.offsq[b1], r));
-                let v = _mm512_fmadd_ps(u1, s1, _mm512_mul_ps(u0, s0));
-                // d = p01 + p23, in that order.
-                dj[r] = if c == 0 { v } else { _mm512_add_ps(dj[r], v) };
+            for ((di, a), sq) in d.iter_mut().zip(acc).zip(ksq) {
+                let t = _mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(sq[b]));
+                *di = if b == 0 {
+                    _mm512_mul_ps(t, sk[b])
+                } else {
+                    _mm512_fmadd_ps(t, sk[b], *di)
+                };
             }
         }
-    }
-    for (dj, xj) in d.iter().zip(x.iter_mut()) {
-        for r in 0..2 {
-            let t = _mm512_mul_ps(_mm512_max_ps(dj[r], zero), ld_heads_f(&p.w, r));
-            xj[2 * r] = _mm512_castps512_ps256(t);
-            // The upper 256 bits via the integer extract (the float one needs AVX-512 DQ).
-            xj[2 * r + 1] =
-                _mm256_castsi256_ps(_mm512_extracti64x4_epi64::<1>(_mm512_castps_si512(t)));
+        for (i, (di, w)) in d.iter().zip(kw).enumerate() {
+            let t = _mm512_mul_ps(_mm512_max_ps(*di, zero), _mm512_set1_ps(*w));
+            total = if hc == 0 && i == 0 {
+                t
+            } else {
+                _mm512_add_ps(total, t)
+            };
         }
     }
+    st_ps(out, total);
+    true
+}
+
+/// The 64 packed value bytes of a key.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+fn ld_values(v: &[u8; 64]) -> __m512i {
+    // SAFETY: `v` is 64 readable bytes; `loadu` accepts any alignment.
+    unsafe { _mm512_loadu_si512(v.as_ptr().cast()) }
+}
+
+/// Sixteen u32.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+fn ld_u32x16(v: &[u32; 16]) -> __m512i {
+    // SAFETY: `v` is 16 readable u32 (64 bytes); `loadu` accepts any alignment.
+    unsafe { _mm512_loadu_si512(v.as_ptr().cast()) }
+}
+
+/// The key decode table (`2 * e2m1 + 12` by code) in one 128-bit lane.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+fn ld_lut() -> __m128i {
+    let lut = &super::avx2::KEY_LUT;
+    // SAFETY: `KEY_LUT` is 32 readable bytes, so its first 16 are; any alignment.
+    unsafe { _mm_loadu_si128(lut.as_ptr().cast()) }
 }
 
 /// `iters` iterations of 12 independent `vpdpbusd` chains (64 multiply-adds of 8-bit integers
@@ -458,4 +541,46 @@ pub(crate) fn int8_peak_vnni(iters: u64, seed: i32) -> i32 {
         s = _mm512_add_epi32(s, x);
     }
     _mm512_reduce_add_epi32(s)
+}
+
+/// Whether the VNNI kernel accepts a tile (tests check that realistic keys never fall back to
+/// the exact path, so the bit-identity tests exercise the kernel).
+///
+/// # Safety
+///
+/// The CPU must have AVX-512 F/BW/VL and VNNI.
+#[cfg(test)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+pub(crate) fn tile16_accepted(q: &super::IndexQuery, keys: &[&IndexMxfp4Entry; KEY_LANES]) -> bool {
+    let mut out = [0f32; KEY_LANES];
+    index_tile16(&q.prep, keys, &mut out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transpose16_swaps_rows_and_lanes() {
+        if !std::arch::is_x86_feature_detected!("avx512vnni") || !SimdLevel::Avx512.is_available() {
+            return;
+        }
+        let rows: [[i32; 16]; 16] =
+            std::array::from_fn(|e| std::array::from_fn(|i| (100 * e + i) as i32));
+        // SAFETY: AVX-512 F/BW/VL and VNNI were detected above; every load and store covers
+        // exactly one 64-byte array.
+        let got: [[i32; 16]; 16] = unsafe {
+            let v = transpose16(rows.map(|r| _mm512_loadu_si512(r.as_ptr().cast())));
+            v.map(|x| {
+                let mut o = [0i32; 16];
+                _mm512_storeu_si512(o.as_mut_ptr().cast(), x);
+                o
+            })
+        };
+        for (i, row) in got.iter().enumerate() {
+            for (e, &x) in row.iter().enumerate() {
+                assert_eq!(x, (100 * e + i) as i32, "result {i} lane {e}");
+            }
+        }
+    }
 }

@@ -57,6 +57,26 @@ pub(crate) struct Prepared {
     /// Key scale bytes the fast path accepts for this query; `None` if the query itself has a
     /// scale byte outside `1..=241` or a head spans more than 10 exponents.
     pub(crate) fast: Option<FastLimits>,
+    /// The query for the VNNI kernel, whose lanes are keys ([`super::avx512`]):
+    /// `kq[h][b][g]` is the four `2 * e2m1` bytes (i8) of head `h` for group `g` of block `b`,
+    /// elements [`key_lane_element`]`(b, g, 0..4)`, broadcast against sixteen keys at once.
+    pub(crate) kq: [[[u32; 8]; 4]; INDEX_HEADS],
+    /// `koff[h][b]`: `-12 * sum(2 q_i)` over block `b` of head `h`, the integer accumulator's
+    /// start (it removes the `+ 12` of the decoded keys).
+    pub(crate) koff: [[i32; 4]; INDEX_HEADS],
+    /// `ksq[h][b]`: `2^(eq - 127)` of block `b` of head `h`.
+    pub(crate) ksq: [[f32; 4]; INDEX_HEADS],
+    /// The head weights, one per head.
+    pub(crate) kw: [f32; INDEX_HEADS],
+}
+
+/// Element (0..128) of byte `j` of group `g` (0..8) of block `b` in the VNNI kernel's decode
+/// order: the kernel transposes sixteen keys so that vector `dw` (0..16) holds packed bytes
+/// `4dw..4dw+4` of every key, then splits low nibbles (even elements `8dw + 2j`) from high
+/// nibbles (odd elements). Block `b` is `dw = 4b..4b+4`; group `g` is `dw = 4b + g / 2`, low
+/// nibbles for even `g`.
+pub(crate) const fn key_lane_element(b: usize, g: usize, j: usize) -> usize {
+    8 * (4 * b + g / 2) + 2 * j + g % 2
 }
 
 /// Bounds on the key scale bytes of a tile for the f32 fast path (see [`IndexQuery`]).
@@ -103,6 +123,10 @@ impl Prepared {
             sq: [[[0.0; 8]; 4]; 4],
             w: std::array::from_fn(|r| std::array::from_fn(|i| weights[8 * r + i])),
             fast: None,
+            kq: [[[0; 8]; 4]; INDEX_HEADS],
+            koff: [[0; 4]; INDEX_HEADS],
+            ksq: [[0.0; 4]; INDEX_HEADS],
+            kw: *weights,
         };
         let (mut qmin, mut qmax, mut qspan) = (255i32, 0i32, 0i32);
         for (h, q) in heads.iter().enumerate() {
@@ -118,6 +142,13 @@ impl Prepared {
                 }
                 let sq = kvstack_firmware_interface::element::ue8m0_to_f32(q.scales[b]);
                 p.sq[b][r][i] = sq;
+                p.ksq[h][b] = sq;
+                p.koff[h][b] = -12 * sum;
+                for g in 0..8 {
+                    let v: [u8; 4] =
+                        std::array::from_fn(|j| x2(q, key_lane_element(b, g, j)) as u8);
+                    p.kq[h][b][g] = u32::from_le_bytes(v);
+                }
                 // |12 * sum| <= 4608 < 2^13: exact in f32, and so is its product with the
                 // power of two (normal on the fast path; the slow path does not read it).
                 p.offsq[b][r][i] = -(12 * sum) as f32 * sq;
@@ -286,8 +317,8 @@ pub(crate) fn scan(
     let (scored, rest) = out.split_at_mut(visible);
     rest.fill(f32::NEG_INFINITY);
     let t = thread_count(threads).min(visible.div_ceil(MIN_KEYS_PER_THREAD).max(1));
-    // Whole tiles of eight per thread, so that only the last range has a partial tile.
-    let chunk = visible.div_ceil(t).next_multiple_of(8).max(8);
+    // Whole tiles (8 or 16 keys) per thread, so that only the last range has a partial tile.
+    let chunk = visible.div_ceil(t).next_multiple_of(16).max(16);
     #[cfg(target_arch = "x86_64")]
     let vnni = super::avx512::Vnni::detect(level);
     let run = |start: usize, o: &mut [f32]| {
@@ -399,7 +430,7 @@ pub(crate) fn gather(
         });
     }
     let t = thread_count(threads).min(positions.len().div_ceil(MIN_KEYS_PER_THREAD).max(1));
-    let chunk = positions.len().div_ceil(t).next_multiple_of(8).max(8);
+    let chunk = positions.len().div_ceil(t).next_multiple_of(16).max(16);
     #[cfg(target_arch = "x86_64")]
     let vnni = super::avx512::Vnni::detect(level);
     let run = |pos: &[i32], o: &mut [f32]| {
@@ -436,6 +467,21 @@ pub(crate) fn gather(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn key_lane_order_is_a_permutation_of_each_block() {
+        for b in 0..4 {
+            let mut seen = [false; 32];
+            for g in 0..8 {
+                for j in 0..4 {
+                    let e = key_lane_element(b, g, j);
+                    assert_eq!(e / 32, b, "element {e} outside block {b}");
+                    assert!(!seen[e % 32]);
+                    seen[e % 32] = true;
+                }
+            }
+        }
+    }
 
     #[test]
     fn group_order_is_a_permutation_of_each_block() {

@@ -3,7 +3,7 @@
 use kvstack_firmware_interface::{EntryFormat, GlobalFp4Entry, IndexMxfp4Entry, WindowFp8Entry};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use zerocopy::IntoBytes;
+use zerocopy::{FromZeros, IntoBytes};
 
 use super::reference::*;
 use super::*;
@@ -89,6 +89,90 @@ fn realistic_keys_take_the_integer_kernel() {
                 "scales {:?}",
                 t.iter().map(|k| k.scales).collect::<Vec<_>>()
             );
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn realistic_keys_take_the_vnni_kernel() {
+    let level = crate::level::Verified::new(crate::SimdLevel::Avx512);
+    if level.ok().and_then(super::avx512::Vnni::detect).is_none() {
+        return;
+    }
+    let mut r = StdRng::seed_from_u64(16);
+    for _ in 0..4 {
+        let q = index_query(&mut r);
+        let ks = keys(&mut r, 800);
+        for t in ks.as_chunks::<16>().0 {
+            // SAFETY: the `Vnni` token above means AVX-512 F/BW/VL and VNNI.
+            let ok = unsafe { super::avx512::tile16_accepted(&q, &t.each_ref()) };
+            assert!(
+                ok,
+                "scales {:?}",
+                t.iter().map(|k| k.scales).collect::<Vec<_>>()
+            );
+        }
+    }
+}
+
+#[test]
+fn indexer_fast_path_is_exact_at_its_limits() {
+    // The largest products (every element +-6, so |I_b| = 4608) with exponent spreads at the
+    // fast path's bound (query 4 + key 6 = 10) and scale bytes near both ends of its window:
+    // the integer kernels must still give the reference's bits, and take these tiles.
+    let mut r = StdRng::seed_from_u64(17);
+    let six = 0x77u8; // E2M1 code 7 (+6) in both nibbles; 0xFF is -6 in both.
+    for (qbase, kbase) in [(120u8, 120u8), (3, 127), (237, 3), (60, 200)] {
+        let heads: [IndexMxfp4Entry; INDEX_HEADS] = std::array::from_fn(|h| {
+            let mut e = IndexMxfp4Entry::new_zeroed();
+            for (i, v) in e.values.iter_mut().enumerate() {
+                *v = if (h + i / 16) % 5 == 0 { 0xFF } else { six };
+            }
+            e.scales = [qbase, qbase + 4, qbase + (h % 5) as u8, qbase + 1];
+            e
+        });
+        let w: [f32; INDEX_HEADS] = std::array::from_fn(|_| r.random::<f32>() + 0.1);
+        let q = IndexQuery::new(&heads, &w);
+        assert!(q.has_fast_path(), "query scales from {qbase}");
+        let ks: Vec<IndexMxfp4Entry> = (0..64)
+            .map(|k| {
+                let mut e = IndexMxfp4Entry::new_zeroed();
+                for (i, v) in e.values.iter_mut().enumerate() {
+                    *v = if (k + i) % 7 == 0 { 0xFF } else { six };
+                }
+                let s = |d: usize| kbase + ((k + d) % 7) as u8;
+                e.scales = [s(0), s(1), s(2), s(3)];
+                e
+            })
+            .collect();
+        let want = indexer_scores_ref(q.heads(), q.weights(), &ks, ks.len());
+        for level in available_levels() {
+            let mut got = vec![0f32; ks.len()];
+            indexer_scores_with(level, &q, Paged::contiguous(&ks), ks.len(), 1, &mut got).unwrap();
+            for (s, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(g.to_bits(), w.to_bits(), "{level} q{qbase} k{kbase} s{s}");
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        if crate::SimdLevel::Avx2.is_available() {
+            for t in ks.as_chunks::<8>().0 {
+                // SAFETY: AVX2 and FMA were detected above.
+                let ok = unsafe { super::avx2::tile_accepted(&q, &t.each_ref()) };
+                assert!(ok, "q{qbase} k{kbase}: AVX2 kernel declined");
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        if crate::level::Verified::new(crate::SimdLevel::Avx512)
+            .ok()
+            .and_then(super::avx512::Vnni::detect)
+            .is_some()
+        {
+            for t in ks.as_chunks::<16>().0 {
+                // SAFETY: the `Vnni` token means AVX-512 F/BW/VL and VNNI.
+                let ok = unsafe { super::avx512::tile16_accepted(&q, &t.each_ref()) };
+                assert!(ok, "q{qbase} k{kbase}: VNNI kernel declined");
+            }
         }
     }
 }
