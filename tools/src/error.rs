@@ -67,7 +67,7 @@ pub enum CliError {
     Runtime(#[source] kvstack_runtime::Error),
     /// An SSD-store or tiers operation failed.
     #[error("store operation failed")]
-    Store(#[source] kvstack_runtime::tiers::Error),
+    Store(#[source] kvstack_runtime::Error),
     /// `kvstack store fsck` found damage (listed on standard output).
     #[error("{0} damaged ranges or segments found")]
     Damaged(usize),
@@ -82,7 +82,7 @@ pub enum CliError {
     Stdout(#[source] std::io::Error),
     /// `verify attention` could not run (the cause names the file, tensor or config field).
     #[error("cannot run the attention verification")]
-    Verify(#[source] kvstack_runtime::attention::Error),
+    Verify(#[source] kvstack_runtime::Error),
     /// `verify attention` ran and some stages are out of tolerance.
     #[error("verify attention: {failed} of {total} stage comparisons out of tolerance")]
     VerifyFailed {
@@ -94,7 +94,7 @@ pub enum CliError {
     /// The forward pass, a checkpoint or `verify model` failed (the cause names the tensor,
     /// file or config field).
     #[error("model operation failed")]
-    Model(#[source] kvstack_runtime::model::Error),
+    Model(#[source] kvstack_runtime::Error),
     /// `verify model` ran and some tensors are out of tolerance.
     #[error("verify model: {failed} of {total} comparisons out of tolerance")]
     ModelVerifyFailed {

@@ -9,9 +9,10 @@ use std::process::Command;
 use std::sync::Arc;
 
 use kvstack_driver::pinned::{HugePages, Locking, PinnedOptions};
+use kvstack_runtime::Result;
 use kvstack_runtime::tiers::{
-    BlockSource, ModelFingerprint, Result, SsdStore, StoreLocation, StoreOptions, SystemClock,
-    Tenant, UnitWrite,
+    BlockSource, ModelFingerprint, SsdStore, StoreLocation, StoreOptions, SystemClock, Tenant,
+    UnitWrite,
 };
 
 struct TempDir(PathBuf);

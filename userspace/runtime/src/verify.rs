@@ -36,7 +36,8 @@ use kvstack_kernels::csa2::quant::RowCodec;
 use kvstack_kernels::csa2::topk::canonicalize;
 use serde::Serialize;
 
-use crate::attention::{Csa2Attention, Error, LayerTrace, StepState, TopK};
+use crate::Error;
+use crate::attention::{Csa2Attention, LayerTrace, StepState, TopK};
 use crate::plan::{LayerMode, LayerSpec};
 use crate::weights::TensorFile;
 
@@ -506,7 +507,7 @@ pub fn verify_loaded(
 
 fn input(dump: &Dump<'_>, layer: usize, hidden: usize) -> Result<Vec<f32>, Error> {
     let name = format!("layers.{layer}.input");
-    Ok(dump.file.f32(&name, &[1, dump.tokens, hidden])?)
+    dump.file.f32(&name, &[1, dump.tokens, hidden])
 }
 
 fn chain(attn: &Csa2Attention, dump: &Dump<'_>, sink: &mut Sink) -> Result<(), Error> {

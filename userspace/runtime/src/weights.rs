@@ -18,64 +18,47 @@ use memmap2::Mmap;
 pub use safetensors::tensor::Dtype;
 use safetensors::tensor::{Metadata, SafeTensors};
 
-/// Errors of [`TensorFile`].
-#[derive(Debug, thiserror::Error)]
-pub enum WeightsError {
-    /// The file could not be opened or mapped.
-    #[error("{}: cannot open tensor file", path.display())]
-    Open {
-        /// The file.
-        path: PathBuf,
-        /// The cause.
-        #[source]
-        source: std::io::Error,
-    },
-    /// The file is not a valid safetensors file.
-    #[error("{}: not a valid safetensors file: {reason}", path.display())]
-    Format {
-        /// The file.
-        path: PathBuf,
-        /// What the parser reported.
-        reason: String,
-    },
-    /// A tensor the caller needs is absent.
-    #[error("{}: tensor `{name}` is missing (expected {dtype} {})", path.display(), Shape(expected))]
-    Missing {
-        /// The file.
-        path: PathBuf,
-        /// The tensor's name.
-        name: String,
-        /// The dtype the caller expects.
-        dtype: &'static str,
-        /// The shape the caller expects.
-        expected: Vec<usize>,
-    },
-    /// A tensor has another shape than the caller expects.
-    #[error("{}: tensor `{name}` has shape {}, expected {}", path.display(), Shape(actual), Shape(expected))]
-    Shape {
-        /// The file.
-        path: PathBuf,
-        /// The tensor's name.
-        name: String,
-        /// The shape the caller expects.
-        expected: Vec<usize>,
-        /// The shape in the file.
-        actual: Vec<usize>,
-    },
-    /// A tensor has another dtype than the caller expects.
-    #[error("{}: tensor `{name}` has dtype {actual}, expected {expected} (shape {})", path.display(), Shape(shape))]
-    Dtype {
-        /// The file.
-        path: PathBuf,
-        /// The tensor's name.
-        name: String,
-        /// The dtype the caller expects.
-        expected: &'static str,
-        /// The dtype in the file.
-        actual: String,
-        /// The tensor's shape (as expected by the caller).
-        shape: Vec<usize>,
-    },
+use crate::Error;
+
+/// [`Error::Missing`]: a tensor the caller needs is absent.
+#[derive(Debug)]
+pub struct MissingTensor {
+    /// The file.
+    pub path: PathBuf,
+    /// The tensor's name.
+    pub name: String,
+    /// The dtype the caller expects.
+    pub dtype: &'static str,
+    /// The shape the caller expects.
+    pub expected: Vec<usize>,
+}
+
+/// [`Error::WeightsShape`]: a tensor has another shape than the caller expects.
+#[derive(Debug)]
+pub struct ShapeMismatch {
+    /// The file.
+    pub path: PathBuf,
+    /// The tensor's name.
+    pub name: String,
+    /// The shape the caller expects.
+    pub expected: Vec<usize>,
+    /// The shape in the file.
+    pub actual: Vec<usize>,
+}
+
+/// [`Error::Dtype`]: a tensor has another dtype than the caller expects.
+#[derive(Debug)]
+pub struct DtypeMismatch {
+    /// The file.
+    pub path: PathBuf,
+    /// The tensor's name.
+    pub name: String,
+    /// The dtype the caller expects.
+    pub expected: &'static str,
+    /// The dtype in the file.
+    pub actual: String,
+    /// The tensor's shape (as expected by the caller).
+    pub shape: Vec<usize>,
 }
 
 /// A shape printed as `[a, b, c]`.
@@ -155,9 +138,9 @@ impl fmt::Debug for TensorFile {
 
 impl TensorFile {
     /// Opens, maps and validates `path`.
-    pub fn open(path: impl AsRef<Path>) -> Result<TensorFile, WeightsError> {
+    pub fn open(path: impl AsRef<Path>) -> Result<TensorFile, Error> {
         let path = path.as_ref().to_path_buf();
-        let open_err = |source| WeightsError::Open {
+        let open_err = |source| Error::Open {
             path: path.clone(),
             source,
         };
@@ -168,7 +151,7 @@ impl TensorFile {
         // not modify weight or vector files while they are open. Every read below goes through
         // bounds-checked slices of the map.
         let map = unsafe { Mmap::map(&file) }.map_err(open_err)?;
-        let (n, meta) = SafeTensors::read_metadata(&map).map_err(|e| WeightsError::Format {
+        let (n, meta) = SafeTensors::read_metadata(&map).map_err(|e| Error::Format {
             path: path.clone(),
             reason: e.to_string(),
         })?;
@@ -227,43 +210,43 @@ impl TensorFile {
         })
     }
 
-    fn raw(&self, name: &str, ty: ElementType, expected: &[usize]) -> Result<&[u8], WeightsError> {
+    fn raw(&self, name: &str, ty: ElementType, expected: &[usize]) -> Result<&[u8], Error> {
         let Some(info) = self.meta.info(name) else {
-            return Err(WeightsError::Missing {
+            return Err(Error::Missing(Box::new(MissingTensor {
                 path: self.path.clone(),
                 name: name.to_owned(),
                 dtype: ty.name(),
                 expected: expected.to_vec(),
-            });
+            })));
         };
         if info.dtype != ty.dtype() {
-            return Err(WeightsError::Dtype {
+            return Err(Error::Dtype(Box::new(DtypeMismatch {
                 path: self.path.clone(),
                 name: name.to_owned(),
                 expected: ty.name(),
                 actual: format!("{:?}", info.dtype),
                 shape: expected.to_vec(),
-            });
+            })));
         }
         if info.shape != expected {
-            return Err(WeightsError::Shape {
+            return Err(Error::WeightsShape(Box::new(ShapeMismatch {
                 path: self.path.clone(),
                 name: name.to_owned(),
                 expected: expected.to_vec(),
                 actual: info.shape.clone(),
-            });
+            })));
         }
         let (s, e) = info.data_offsets;
         self.map
             .get(self.data_start + s..self.data_start + e)
-            .ok_or_else(|| WeightsError::Format {
+            .ok_or_else(|| Error::Format {
                 path: self.path.clone(),
                 reason: format!("tensor `{name}` lies outside the file"),
             })
     }
 
     /// The f32 tensor `name` of exactly `shape`, row-major.
-    pub fn f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, WeightsError> {
+    pub fn f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, Error> {
         let raw = self.raw(name, ElementType::F32, shape)?;
         Ok(raw
             .as_chunks::<4>()
@@ -274,7 +257,7 @@ impl TensorFile {
     }
 
     /// The i64 tensor `name` of exactly `shape`.
-    pub fn i64(&self, name: &str, shape: &[usize]) -> Result<Vec<i64>, WeightsError> {
+    pub fn i64(&self, name: &str, shape: &[usize]) -> Result<Vec<i64>, Error> {
         let raw = self.raw(name, ElementType::I64, shape)?;
         Ok(raw
             .as_chunks::<8>()
@@ -285,7 +268,7 @@ impl TensorFile {
     }
 
     /// The u8 tensor `name` of exactly `shape`.
-    pub fn u8(&self, name: &str, shape: &[usize]) -> Result<Vec<u8>, WeightsError> {
+    pub fn u8(&self, name: &str, shape: &[usize]) -> Result<Vec<u8>, Error> {
         Ok(self.raw(name, ElementType::U8, shape)?.to_vec())
     }
 }

@@ -8,8 +8,9 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 
 use kvstack_driver::pinned::{HugePages, Locking, PinnedOptions};
 use kvstack_firmware_interface::{GlobalFp4Entry, IndexMxfp4Entry, WindowFp8Entry};
+use kvstack_runtime::Error;
 use kvstack_runtime::builtin::default_config;
-use kvstack_runtime::cache::{AppendData, CacheOptions, Error, KvCache, PoolKind, SequenceId};
+use kvstack_runtime::cache::{AppendData, CacheOptions, KvCache, PoolKind, SequenceId};
 use kvstack_runtime::{CacheReport, FormatOverrides};
 use proptest::prelude::*;
 use zerocopy::{FromBytes, FromZeros, IntoBytes};
@@ -487,12 +488,12 @@ fn errors_name_what_and_where() {
         },
     )
     .unwrap_err();
-    let kvstack_runtime::Error::Cache(Error::PageSize {
+    let Error::PageSize {
         pool,
         page_bytes,
         entry_bytes,
         ..
-    }) = &err
+    } = &err
     else {
         panic!("{err}")
     };

@@ -12,9 +12,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use kvstack_driver::blockio::EnginePreference;
 use kvstack_firmware_interface::record::ALIGN;
+use kvstack_runtime::Error;
 use kvstack_runtime::tiers::fsck::fsck;
 use kvstack_runtime::tiers::{
-    Clock, Error, HOUR_MS, ManualClock, ReadOutcome, StoreLocation, SystemClock, Tenant,
+    Clock, HOUR_MS, ManualClock, ReadOutcome, StoreLocation, SystemClock, Tenant,
 };
 use tiers_common::*;
 

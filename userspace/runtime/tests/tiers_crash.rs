@@ -13,7 +13,8 @@ use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kvstack_runtime::tiers::{Error, SystemClock, Tenant};
+use kvstack_runtime::Error;
+use kvstack_runtime::tiers::{SystemClock, Tenant};
 use rand::{Rng, SeedableRng};
 use tiers_common::*;
 

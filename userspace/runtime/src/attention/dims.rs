@@ -6,7 +6,7 @@ use kvstack_kernels::csa2::rope::{Rope, Yarn};
 use crate::config::ModelConfig;
 use crate::plan::{LayerPlan, LayerSpec};
 
-use super::error::Error;
+use crate::Error;
 
 /// Every dimension and constant the CSA2 attention layer needs. Derived from the config's
 /// fields (`from_config`), so a model of another size (for example the 64-wide test model of
@@ -49,20 +49,17 @@ pub struct AttentionDims {
     pub yarn: Option<Yarn>,
 }
 
-fn req<T: Copy>(cfg: &ModelConfig, v: Option<T>, field: &str) -> Result<T, Error> {
-    v.ok_or_else(|| cfg.missing(field).into())
+fn req<T: Copy>(cfg: &ModelConfig, v: Option<T>, field: &str) -> crate::Result<T> {
+    v.ok_or_else(|| cfg.missing(field))
 }
 
-fn usize_of(cfg: &ModelConfig, v: u64, field: &str) -> Result<usize, Error> {
-    usize::try_from(v).map_err(|_| {
-        cfg.invalid(field, "does not fit this machine's usize")
-            .into()
-    })
+fn usize_of(cfg: &ModelConfig, v: u64, field: &str) -> crate::Result<usize> {
+    usize::try_from(v).map_err(|_| cfg.invalid(field, "does not fit this machine's usize"))
 }
 
-fn positive(cfg: &ModelConfig, v: Option<u64>, field: &str) -> Result<usize, Error> {
+fn positive(cfg: &ModelConfig, v: Option<u64>, field: &str) -> crate::Result<usize> {
     match req(cfg, v, field)? {
-        0 => Err(cfg.invalid(field, "must be at least 1").into()),
+        0 => Err(cfg.invalid(field, "must be at least 1")),
         x => usize_of(cfg, x, field),
     }
 }
@@ -71,6 +68,11 @@ impl AttentionDims {
     /// Reads and checks the dimensions. Indexer and candidate fields are required only when
     /// the plan uses them; `compress_rope_theta` only when a layer has compression.
     pub fn from_config(cfg: &ModelConfig, plan: &LayerPlan) -> Result<AttentionDims, Error> {
+        AttentionDims::read(cfg, plan).map_err(Error::attention_config)
+    }
+
+    /// [`AttentionDims::from_config`] with the config errors unwrapped.
+    fn read(cfg: &ModelConfig, plan: &LayerPlan) -> crate::Result<AttentionDims> {
         let hidden = usize_of(cfg, cfg.hidden_size()?, "hidden_size")?;
         let heads = usize_of(cfg, cfg.num_attention_heads()?, "num_attention_heads")?;
         let head_dim = usize_of(cfg, cfg.head_dim()?, "head_dim")?;
@@ -83,33 +85,25 @@ impl AttentionDims {
         let rope_theta = req(cfg, cfg.rope_theta, "rope_theta")?;
 
         if !head_dim.is_multiple_of(32) {
-            return Err(cfg
-                .invalid(
-                    "head_dim",
-                    format!("{head_dim} is not a multiple of 32 (FP8 window tiles, spec §5.1)"),
-                )
-                .into());
+            return Err(cfg.invalid(
+                "head_dim",
+                format!("{head_dim} is not a multiple of 32 (FP8 window tiles, spec §5.1)"),
+            ));
         }
         if rope_dim == 0 || !rope_dim.is_multiple_of(2) || rope_dim > head_dim {
-            return Err(cfg
-                .invalid(
-                    "qk_rope_head_dim",
-                    format!("{rope_dim} must be even, positive and at most head_dim {head_dim}"),
-                )
-                .into());
+            return Err(cfg.invalid(
+                "qk_rope_head_dim",
+                format!("{rope_dim} must be even, positive and at most head_dim {head_dim}"),
+            ));
         }
         if !heads.is_multiple_of(o_groups) {
-            return Err(cfg
-                .invalid(
-                    "o_groups",
-                    format!("{o_groups} does not divide num_attention_heads {heads}"),
-                )
-                .into());
+            return Err(cfg.invalid(
+                "o_groups",
+                format!("{o_groups} does not divide num_attention_heads {heads}"),
+            ));
         }
         if !(eps.is_finite() && eps >= 0.0) {
-            return Err(cfg
-                .invalid("rms_norm_eps", "must be a finite non-negative number")
-                .into());
+            return Err(cfg.invalid("rms_norm_eps", "must be a finite non-negative number"));
         }
 
         let compressed = plan.layers.iter().any(|l| l.compress_ratio > 0);
@@ -143,7 +137,7 @@ impl AttentionDims {
                         "index_head_dim",
                         format!("{id} must be a multiple of 32 (MXFP4 blocks, spec §5.3) and at least qk_rope_head_dim {rope_dim}"),
                     )
-                    .into());
+                );
             }
             (ih, id, k)
         } else {
@@ -178,14 +172,14 @@ impl AttentionDims {
         // Fail here, naming the fields, rather than at the first forward pass.
         for spec in &plan.layers {
             dims.rope(spec).map_err(|e| {
-                Error::Config(cfg.invalid(
+                cfg.invalid(
                     if spec.compress_ratio > 0 {
                         "compress_rope_theta"
                     } else {
                         "rope_theta"
                     },
                     e.to_string(),
-                ))
+                )
             })?;
         }
         Ok(dims)

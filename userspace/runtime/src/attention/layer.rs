@@ -38,10 +38,10 @@ use crate::plan::{LayerMode, LayerPlan, LayerSpec};
 use crate::weights::TensorFile;
 
 use super::dims::AttentionDims;
-use super::error::{Error, kernel};
 use super::params::{AttentionWeights, LayerWeights};
 use super::step::{Candidates, StepState, TopK};
 use super::store::{ContiguousStore, KvStore};
+use crate::Error;
 
 /// What the compressor of a KV source produced in one step.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -155,14 +155,14 @@ impl Csa2Attention {
         let ropes = plan
             .layers
             .iter()
-            .map(|s| dims.rope(s).map_err(kernel(s.index, "rope")))
+            .map(|s| dims.rope(s).map_err(Error::kernel(s.index, "rope")))
             .collect::<Result<Vec<_>, _>>()?;
-        let shape =
-            AttentionShape::new(dims.heads, dims.head_dim).map_err(kernel(0, "attention shape"))?;
+        let shape = AttentionShape::new(dims.heads, dims.head_dim)
+            .map_err(Error::kernel(0, "attention shape"))?;
         let key_codec = if dims.index_head_dim > 0 {
             Some(
                 RowCodec::new(EntryFormat::IndexMxfp4, dims.index_head_dim)
-                    .map_err(kernel(0, "index key rows"))?,
+                    .map_err(Error::kernel(0, "index key rows"))?,
             )
         } else {
             None
@@ -192,8 +192,8 @@ impl Csa2Attention {
         config: &std::path::Path,
         weights: &std::path::Path,
     ) -> Result<Csa2Attention, Error> {
-        let cfg = ModelConfig::from_file(config)?;
-        let plan = LayerPlan::from_config(&cfg)?;
+        let cfg = ModelConfig::from_file(config).map_err(Error::attention_config)?;
+        let plan = LayerPlan::from_config(&cfg).map_err(Error::attention_config)?;
         let dims = AttentionDims::from_config(&cfg, &plan)?;
         let file = TensorFile::open(weights)?;
         let w = AttentionWeights::load(&file, &dims, &plan)?;
@@ -290,8 +290,9 @@ impl Csa2Attention {
         let d = &self.dims;
         let n = self.tokens(layer, "attention input [n, hidden]", x, d.hidden)?;
         let mut ql = vec![0f32; n * d.q_lora_rank];
-        linear(x, &w.wq_a, n, d.hidden, d.q_lora_rank, &mut ql).map_err(kernel(layer, "wq_a"))?;
-        rms_norm_in_place(&mut ql, &w.q_norm, d.eps).map_err(kernel(layer, "q_norm"))?;
+        linear(x, &w.wq_a, n, d.hidden, d.q_lora_rank, &mut ql)
+            .map_err(Error::kernel(layer, "wq_a"))?;
+        rms_norm_in_place(&mut ql, &w.q_norm, d.eps).map_err(Error::kernel(layer, "q_norm"))?;
         Ok(ql)
     }
 
@@ -313,9 +314,9 @@ impl Csa2Attention {
         )?;
         let mut q = vec![0f32; n * d.q_width()];
         linear(q_latent, &w.wq_b, n, d.q_lora_rank, d.q_width(), &mut q)
-            .map_err(kernel(layer, "wq_b"))?;
+            .map_err(Error::kernel(layer, "wq_b"))?;
         rope.rotate_rows(&mut q, d.q_width(), d.head_dim, positions, false)
-            .map_err(kernel(layer, "query rope"))?;
+            .map_err(Error::kernel(layer, "query rope"))?;
         Ok(q)
     }
 
@@ -331,10 +332,10 @@ impl Csa2Attention {
         let n = positions.len();
         check_input(layer, "attention input [n, hidden]", n * d.hidden, x.len())?;
         let mut kv = vec![0f32; n * d.head_dim];
-        linear(x, &w.wkv, n, d.hidden, d.head_dim, &mut kv).map_err(kernel(layer, "wkv"))?;
-        rms_norm_in_place(&mut kv, &w.kv_norm, d.eps).map_err(kernel(layer, "kv_norm"))?;
+        linear(x, &w.wkv, n, d.hidden, d.head_dim, &mut kv).map_err(Error::kernel(layer, "wkv"))?;
+        rms_norm_in_place(&mut kv, &w.kv_norm, d.eps).map_err(Error::kernel(layer, "kv_norm"))?;
         rope.rotate_rows(&mut kv, d.head_dim, d.head_dim, positions, false)
-            .map_err(kernel(layer, "window rope"))?;
+            .map_err(Error::kernel(layer, "window rope"))?;
         let rows = self.quantize(layer, self.window_codec, &kv)?;
         Ok((kv, rows))
     }
@@ -343,7 +344,7 @@ impl Csa2Attention {
         let mut out = vec![0u8; x.len() / codec.dim() * codec.bytes()];
         codec
             .quantize(x, &mut out)
-            .map_err(kernel(layer, "quantize"))?;
+            .map_err(Error::kernel(layer, "quantize"))?;
         Ok(out)
     }
 
@@ -373,24 +374,24 @@ impl Csa2Attention {
         let ratio = spec.compress_ratio as usize;
         let mut kv = vec![0f32; n * d.head_dim];
         linear(x, &cw.wkv, n, d.hidden, d.head_dim, &mut kv)
-            .map_err(kernel(layer, "compressor.wkv"))?;
+            .map_err(Error::kernel(layer, "compressor.wkv"))?;
         let gate = match &cw.wgate {
             Some(wg) => {
                 let mut g = vec![0f32; n * d.head_dim];
                 linear(x, wg, n, d.hidden, d.head_dim, &mut g)
-                    .map_err(kernel(layer, "compressor.wgate"))?;
+                    .map_err(Error::kernel(layer, "compressor.wgate"))?;
                 Some(g)
             }
             None => None,
         };
         let mut state = CompressorState::with_pending(ratio, d.head_dim, pending)
-            .map_err(kernel(layer, "compressor state"))?;
+            .map_err(Error::kernel(layer, "compressor state"))?;
         let mut latent = Vec::new();
         state
             .push(&kv, gate.as_deref(), &mut latent)
-            .map_err(kernel(layer, "compressor"))?;
+            .map_err(Error::kernel(layer, "compressor"))?;
         rms_norm_in_place(&mut latent, &cw.norm, d.eps)
-            .map_err(kernel(layer, "compressor.norm"))?;
+            .map_err(Error::kernel(layer, "compressor.norm"))?;
         let (pre_quant, rows) = self.compressed_entries(layer, &latent, first)?;
         let (key_pre_quant, key_rows) = self.index_keys(layer, &latent, first)?;
         Ok(Compressed {
@@ -423,7 +424,7 @@ impl Csa2Attention {
             &Self::group_positions(spec, first, g),
             false,
         )
-        .map_err(kernel(layer, "compressed rope"))?;
+        .map_err(Error::kernel(layer, "compressed rope"))?;
         let rows = self.quantize(layer, self.entry_codec, &pre)?;
         Ok((pre, rows))
     }
@@ -450,8 +451,9 @@ impl Csa2Attention {
         let g = self.tokens(layer, "compressor latent [g, head_dim]", latent, d.head_dim)?;
         let mut k = vec![0f32; g * d.index_head_dim];
         linear(latent, &kw.wk, g, d.head_dim, d.index_head_dim, &mut k)
-            .map_err(kernel(layer, "indexer.wk"))?;
-        rms_norm_in_place(&mut k, &kw.k_norm, d.eps).map_err(kernel(layer, "indexer.k_norm"))?;
+            .map_err(Error::kernel(layer, "indexer.wk"))?;
+        rms_norm_in_place(&mut k, &kw.k_norm, d.eps)
+            .map_err(Error::kernel(layer, "indexer.k_norm"))?;
         rope.rotate_rows(
             &mut k,
             d.index_head_dim,
@@ -459,7 +461,7 @@ impl Csa2Attention {
             &Self::group_positions(spec, first, g),
             false,
         )
-        .map_err(kernel(layer, "index key rope"))?;
+        .map_err(Error::kernel(layer, "index key rope"))?;
         let rows = self.quantize(layer, codec, &k)?;
         Ok((k, rows))
     }
@@ -495,7 +497,7 @@ impl Csa2Attention {
             d.index_q_width(),
             &mut q,
         )
-        .map_err(kernel(layer, "indexer.wq_b"))?;
+        .map_err(Error::kernel(layer, "indexer.wq_b"))?;
         rope.rotate_rows(
             &mut q,
             d.index_q_width(),
@@ -503,7 +505,7 @@ impl Csa2Attention {
             positions,
             false,
         )
-        .map_err(kernel(layer, "index query rope"))?;
+        .map_err(Error::kernel(layer, "index query rope"))?;
         let rows = self.quantize(layer, codec, &q)?;
         Ok((q, rows))
     }
@@ -521,7 +523,7 @@ impl Csa2Attention {
         let n = self.tokens(layer, "attention input [n, hidden]", x, d.hidden)?;
         let mut out = vec![0f32; n * d.index_heads];
         linear(x, &iw.weights_proj, n, d.hidden, d.index_heads, &mut out)
-            .map_err(kernel(layer, "indexer.weights_proj"))?;
+            .map_err(Error::kernel(layer, "indexer.weights_proj"))?;
         scale_head_weights(&mut out, d.index_head_dim, d.index_heads);
         Ok(out)
     }
@@ -588,7 +590,7 @@ impl Csa2Attention {
                 &q_rows[i * qb..(i + 1) * qb],
                 &weights[i * d.index_heads..(i + 1) * d.index_heads],
             )
-            .map_err(kernel(layer, "index query"))?;
+            .map_err(Error::kernel(layer, "index query"))?;
             let visible = (Self::visible(spec.compress_ratio, t) as usize).min(width);
             for (j, s) in scores[i * width..i * width + visible]
                 .iter_mut()
@@ -598,7 +600,7 @@ impl Csa2Attention {
                     layer,
                     reason: format!("index key {j} missing from the store"),
                 })?;
-                *s = q.score(k).map_err(kernel(layer, "index score"))?;
+                *s = q.score(k).map_err(Error::kernel(layer, "index score"))?;
             }
         }
         Ok(scores)
@@ -697,7 +699,7 @@ impl Csa2Attention {
                 k,
                 &mut out[i * k..(i + 1) * k],
             )
-            .map_err(kernel(layer, "top-k"))?;
+            .map_err(Error::kernel(layer, "top-k"))?;
         }
         Ok(out)
     }
@@ -727,7 +729,7 @@ impl Csa2Attention {
             let visible = (Self::visible(spec.compress_ratio, t) as usize).min(width);
             let mut pool = Vec::new();
             candidate_pool(row, visible, params, &mut bs, &mut pool)
-                .map_err(kernel(layer, "candidate pool"))?;
+                .map_err(Error::kernel(layer, "candidate pool"))?;
             all_bs.extend_from_slice(&bs);
             pools.push(pool);
         }
@@ -797,7 +799,7 @@ impl Csa2Attention {
                     })?;
                     self.shape
                         .decode_row(KeyRow::Window(bytes), row)
-                        .map_err(kernel(layer, "sparse attention"))?;
+                        .map_err(Error::kernel(layer, "sparse attention"))?;
                 }
             }
             if let Some(tk) = topk {
@@ -825,7 +827,7 @@ impl Csa2Attention {
                         edec.resize(at + hd, 0.0);
                         self.shape
                             .decode_row(KeyRow::Compressed(e), &mut edec[at..])
-                            .map_err(kernel(layer, "sparse attention"))?;
+                            .map_err(Error::kernel(layer, "sparse attention"))?;
                     }
                 }
             }
@@ -850,7 +852,7 @@ impl Csa2Attention {
                     }
                 }
                 attn.run(&q[i * qw..(i + 1) * qw], &w.sinks, keys, o)
-                    .map_err(kernel(layer, "sparse attention"))
+                    .map_err(Error::kernel(layer, "sparse attention"))
             };
             // At least 8 queries per thread: fewer do not pay for the spawn.
             let threads = self.threads.min(n / 8).max(1);
@@ -912,7 +914,7 @@ impl Csa2Attention {
                 keys.iter().copied(),
                 &mut out[i * qw..(i + 1) * qw],
             )
-            .map_err(kernel(layer, "sparse attention"))?;
+            .map_err(Error::kernel(layer, "sparse attention"))?;
         }
         Ok(out)
     }
@@ -936,10 +938,10 @@ impl Csa2Attention {
         )?;
         let mut a = attended.to_vec();
         rope.rotate_rows(&mut a, d.q_width(), d.head_dim, positions, true)
-            .map_err(kernel(layer, "inverse rope"))?;
+            .map_err(Error::kernel(layer, "inverse rope"))?;
         let mut out = vec![0f32; n * d.hidden];
         grouped_output(&self.output_shape, n, &a, &w.wo_a, &w.wo_b, &mut out)
-            .map_err(kernel(layer, "wo_a/wo_b"))?;
+            .map_err(Error::kernel(layer, "wo_a/wo_b"))?;
         Ok(out)
     }
 

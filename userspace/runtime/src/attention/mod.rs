@@ -20,7 +20,6 @@
 //! `docs/attention.md`.
 
 mod dims;
-mod error;
 mod layer;
 mod paged;
 mod params;
@@ -28,7 +27,6 @@ mod step;
 mod store;
 
 pub use dims::AttentionDims;
-pub use error::Error;
 pub use layer::{Compressed, Csa2Attention, LayerTrace};
 pub use paged::{PagedStage, PagedStore, PagedView};
 pub use params::{

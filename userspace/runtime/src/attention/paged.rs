@@ -24,8 +24,8 @@ use zerocopy::{FromBytes, IntoBytes};
 
 use crate::cache::{AppendData, KvCache, SequenceId};
 
-use super::error::Error;
 use super::store::KvStore;
+use crate::Error;
 
 /// One sequence's staged step (see the module docs).
 #[derive(Debug)]
@@ -313,7 +313,7 @@ impl PagedStage {
     /// [`KvCache::append`] of the new tokens. Does nothing when no step is closed.
     ///
     /// # Errors
-    /// [`Error::Cache`] (the stage is discarded either way).
+    /// [`Error::AttentionCache`] (the stage is discarded either way).
     pub fn apply(&mut self, cache: &mut KvCache) -> Result<(), Error> {
         let Some(tokens) = self.closed else {
             return Ok(());
@@ -349,7 +349,7 @@ impl PagedStage {
             }
             cache
                 .write_window(self.seq, len - keep as u64, &rows)
-                .map_err(Error::Cache)?;
+                .map_err(Error::attention_cache)?;
         }
         if new == 0 {
             return Ok(());
@@ -385,7 +385,9 @@ impl PagedStage {
             window: &window,
             pending,
         };
-        cache.append(self.seq, &data).map_err(Error::Cache)
+        cache
+            .append(self.seq, &data)
+            .map_err(Error::attention_cache)
     }
 }
 

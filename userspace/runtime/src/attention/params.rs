@@ -20,7 +20,7 @@ use crate::plan::{LayerMode, LayerPlan, LayerSpec};
 use crate::weights::TensorFile;
 
 use super::dims::AttentionDims;
-use super::error::Error;
+use crate::Error;
 
 /// The compressor of a KV source.
 #[derive(Clone, Debug, PartialEq)]
@@ -102,7 +102,7 @@ impl Names {
 }
 
 fn load(file: &TensorFile, name: &str, shape: &[usize]) -> Result<Vec<f32>, Error> {
-    Ok(file.f32(name, shape)?)
+    file.f32(name, shape)
 }
 
 impl LayerWeights {

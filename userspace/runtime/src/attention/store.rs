@@ -24,7 +24,7 @@
 //! already holds (replayed tokens never overwrite cached global KV), and attention never reads
 //! window rows below [`KvStore::window_floor`] (which is `s` from then on).
 
-use super::error::Error;
+use crate::Error;
 
 /// Access to the persistent CSA2 state of one sequence. Rows are the encoded bytes of the
 /// entry formats of spec §5 at the model's widths (FP8 window rows, FP4 entries, MXFP4 keys).

@@ -8,10 +8,10 @@ use serde::Serialize;
 use zerocopy::{FromBytes, IntoBytes};
 
 use super::AppendData;
-use super::error::Error;
 use super::geometry::CacheOptions;
 use super::kv::KvCache;
 use super::usage::CacheUsage;
+use crate::Error;
 use crate::builtin::default_config;
 use crate::calc::{CacheReport, FormatOverrides};
 use crate::plan::LayerPlan;

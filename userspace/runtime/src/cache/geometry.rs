@@ -4,10 +4,11 @@ use kvstack_driver::PinnedOptions;
 use kvstack_firmware_interface::{GlobalFp4Entry, IndexMxfp4Entry, WindowFp8Entry};
 use serde::Serialize;
 
-use super::error::{Error, PoolKind, PoolName, Result};
+use super::{PoolKind, PoolName};
 use crate::calc::F32_BYTES;
 use crate::config::ModelConfig;
 use crate::plan::{LayerPlan, PlanKind};
+use crate::{Error, Result};
 
 /// Default tokens per page (see `docs/paged-cache.md`, "Page geometry").
 pub const DEFAULT_PAGE_TOKENS: u32 = 256;

@@ -6,15 +6,16 @@ use kvstack_firmware_interface::{GlobalFp4Entry, IndexMxfp4Entry, WindowFp8Entry
 use serde::Serialize;
 use zerocopy::IntoBytes;
 
-use super::error::{Error, PoolKind, PoolName, Result};
 use super::geometry::{CacheGeometry, CacheOptions};
 use super::pool::{PageId, PagePool};
 use super::prefix::{NodeId, PrefixIndex, ROOT};
 use super::usage::{CacheUsage, KindUsage, MetadataUsage, PoolUsage, SequenceUsage};
 use super::view::{EntryView, WindowView};
 use super::{AppendData, SequenceId};
+use super::{PoolKind, PoolName};
 use crate::config::ModelConfig;
 use crate::plan::LayerPlan;
+use crate::{Error, Result};
 
 /// Pending compressor state of one source of one sequence.
 #[derive(Clone)]
@@ -194,11 +195,11 @@ impl KvCache {
     /// A cache for `cfg`, building and validating its layer plan.
     ///
     /// # Errors
-    /// Config and plan errors ([`crate::Error`]), and [`Error`] (as [`crate::Error::Cache`])
-    /// for options or a model the cache cannot store.
+    /// Config and plan errors, and the cache errors of [`KvCache::new`] for options or a model
+    /// the cache cannot store.
     pub fn for_config(cfg: &ModelConfig, options: CacheOptions) -> crate::Result<KvCache> {
         let plan = LayerPlan::from_config(cfg)?;
-        Ok(KvCache::new(cfg, &plan, options)?)
+        KvCache::new(cfg, &plan, options)
     }
 
     /// A cache for the plan `plan` of `cfg`. Reserves address space for every pool; memory is

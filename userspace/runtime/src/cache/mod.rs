@@ -28,7 +28,6 @@
 //! `docs/paged-cache.md`.
 
 mod bench;
-mod error;
 mod geometry;
 mod kv;
 mod pool;
@@ -42,7 +41,6 @@ use kvstack_firmware_interface::{GlobalFp4Entry, IndexMxfp4Entry, WindowFp8Entry
 use serde::Serialize;
 
 pub use bench::{FOOTPRINT_CHUNK_TOKENS, FootprintReport, FootprintTargets, run_footprint_bench};
-pub use error::{Error, PoolKind, PoolName, Result};
 pub use geometry::{
     CacheGeometry, CacheOptions, DEFAULT_CONTEXT_LIMIT, DEFAULT_PAGE_TOKENS, SourceGeometry,
 };
@@ -58,6 +56,46 @@ pub struct SequenceId(pub u64);
 impl fmt::Display for SequenceId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "sequence {}", self.0)
+    }
+}
+
+/// What a page pool stores.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PoolKind {
+    /// Compressed (global) KV entries, FP4 (spec §5.2).
+    Global,
+    /// Indexer keys, MXFP4 (spec §5.3).
+    Index,
+    /// Per-sequence window slabs: every layer's FP8 ring of `sliding_window` rows (spec §5.1).
+    Window,
+}
+
+impl fmt::Display for PoolKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            PoolKind::Global => "global-entry",
+            PoolKind::Index => "index-key",
+            PoolKind::Window => "window",
+        })
+    }
+}
+
+/// Names one page pool: its kind and, for global and index pools, the KV source layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+pub struct PoolName {
+    /// What the pool stores.
+    pub kind: PoolKind,
+    /// The KV source layer (`None` for the window pool, which serves every layer).
+    pub layer: Option<usize>,
+}
+
+impl fmt::Display for PoolName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.layer {
+            Some(l) => write!(f, "{} pool of layer {l}", self.kind),
+            None => write!(f, "{} pool", self.kind),
+        }
     }
 }
 

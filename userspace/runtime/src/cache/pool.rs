@@ -11,7 +11,8 @@ use std::collections::BTreeSet;
 use kvstack_driver::{GrowableRegion, PinnedOptions};
 use zerocopy::{FromBytes, Immutable, KnownLayout};
 
-use super::error::{Error, PoolName, Result};
+use super::PoolName;
+use crate::{Error, Result};
 
 /// A page id within one pool.
 pub type PageId = u32;
@@ -251,7 +252,7 @@ impl PagePool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cache::error::PoolKind;
+    use crate::cache::PoolKind;
     use kvstack_driver::pinned::{HugePages, Locking};
 
     fn pool(cap: u64) -> PagePool {

@@ -2,8 +2,8 @@
 
 use serde::Serialize;
 
+use super::PoolName;
 use super::SequenceId;
-use super::error::PoolName;
 
 /// Bytes of one kind of cache memory.
 ///

@@ -272,7 +272,7 @@ fn open_tiers(cfg: &ModelConfig, dir: &std::path::Path, seed: u64) -> Result<Tie
             dir.to_path_buf(),
         )))
     };
-    Ok(Tiers::open(cfg, 256, opts, Arc::new(SystemClock))?)
+    Tiers::open(cfg, 256, opts, Arc::new(SystemClock))
 }
 
 fn compare(a: &[f32], reference: &[f32]) -> (f64, bool) {
@@ -344,7 +344,7 @@ pub fn run_runtime_bench(
     let full = tokens(o.seed, 30, n, vocab);
     let dir = o.dir.join(format!("bench-runtime-{}", std::process::id()));
     std::fs::create_dir_all(&dir)
-        .map_err(|e| crate::tiers::Error::io("cannot create the bench directory", &dir, e))?;
+        .map_err(|e| Error::tiers_io("cannot create the bench directory", &dir, e))?;
     let result = ttft_runs(o, &cfg, &model, &full, cached, &dir, &mut progress);
     let _ = crate::tiers::store::remove_directory_store(&dir);
     let _ = std::fs::remove_dir(&dir);

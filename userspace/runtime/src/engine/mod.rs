@@ -488,10 +488,9 @@ impl Engine {
         for id in queued {
             match self.start(id) {
                 Ok(()) => {}
-                Err(Error::Cache(
-                    crate::cache::Error::TooManySequences { .. }
-                    | crate::cache::Error::PoolExhausted { .. },
-                )) if self.requests.values().any(|r| r.phase != Phase::Queued) => {
+                Err(Error::TooManySequences { .. } | Error::PoolExhausted { .. })
+                    if self.requests.values().any(|r| r.phase != Phase::Queued) =>
+                {
                     // Wait until a running request frees its sequence.
                     break;
                 }
@@ -557,7 +556,7 @@ impl Engine {
             Ok(s) => s,
             Err(e) => {
                 let _ = self.cache.drop_sequence(seq);
-                return Err(e.into());
+                return Err(e);
             }
         };
         let (prefill, replayed) = match replay {
@@ -565,7 +564,7 @@ impl Engine {
                 let from = p.start;
                 if let Err(e) = stage.view(&self.cache).begin_replay(from) {
                     let _ = self.cache.drop_sequence(seq);
-                    return Err(e.into());
+                    return Err(e);
                 }
                 reuse.replayed_tokens = len - from;
                 (all[from as usize..].to_vec(), (len - from) as usize)
@@ -628,7 +627,7 @@ impl Engine {
             Ok(()) => stage.apply(cache)?,
             Err(e) => {
                 stage.discard();
-                return Err(e.into());
+                return Err(e);
             }
         }
         r.next_step += 1;
@@ -701,17 +700,14 @@ impl Engine {
                         decoder_window_start: plan[i].2,
                     })
                     .collect();
-                model
-                    .step_batch(&mut items)
-                    .map(|outs| {
-                        // Back to `members` order.
-                        let mut by_member = vec![Vec::new(); outs.len()];
-                        for (o, &i) in outs.into_iter().zip(&order) {
-                            by_member[i] = o;
-                        }
-                        by_member
-                    })
-                    .map_err(Error::from)
+                model.step_batch(&mut items).map(|outs| {
+                    // Back to `members` order.
+                    let mut by_member = vec![Vec::new(); outs.len()];
+                    for (o, &i) in outs.into_iter().zip(&order) {
+                        by_member[i] = o;
+                    }
+                    by_member
+                })
             }
         };
         let elapsed = t.elapsed();
@@ -737,7 +733,7 @@ impl Engine {
                             r.plan.get(r.next_step).map_or(0, |s| s.tokens.len() as u64);
                     }
                     match r.stage.as_mut() {
-                        Some(s) => s.apply(&mut self.cache).map_err(Error::from),
+                        Some(s) => s.apply(&mut self.cache),
                         None => Ok(()),
                     }
                 }

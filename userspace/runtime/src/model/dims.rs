@@ -4,7 +4,7 @@ use kvstack_kernels::model::{HcShape, MoeShape};
 
 use crate::config::ModelConfig;
 
-use super::error::Error;
+use crate::Error;
 
 /// Dimensions and constants of the embedding, hyper-connections, MoE and head. Attention has
 /// its own ([`crate::attention::AttentionDims`]).
@@ -38,42 +38,42 @@ pub struct ModelDims {
     pub eps: f32,
 }
 
-fn req(cfg: &ModelConfig, v: Option<u64>, field: &str) -> Result<usize, Error> {
+fn req(cfg: &ModelConfig, v: Option<u64>, field: &str) -> crate::Result<usize> {
     match v {
-        None => Err(cfg.missing(field).into()),
-        Some(0) => Err(cfg.invalid(field, "must be at least 1").into()),
-        Some(x) => usize::try_from(x).map_err(|_| {
-            cfg.invalid(field, "does not fit this machine's usize")
-                .into()
-        }),
+        None => Err(cfg.missing(field)),
+        Some(0) => Err(cfg.invalid(field, "must be at least 1")),
+        Some(x) => {
+            usize::try_from(x).map_err(|_| cfg.invalid(field, "does not fit this machine's usize"))
+        }
     }
 }
 
 impl ModelDims {
     /// Reads and checks the dimensions. `scoring_func`, when given, must be `sqrtsoftplus`.
     pub fn from_config(cfg: &ModelConfig) -> Result<ModelDims, Error> {
+        ModelDims::read(cfg).map_err(Error::model_config)
+    }
+
+    /// [`ModelDims::from_config`] with the config errors unwrapped.
+    fn read(cfg: &ModelConfig) -> crate::Result<ModelDims> {
         if let Some(f) = &cfg.scoring_func
             && f != "sqrtsoftplus"
         {
-            return Err(cfg
-                .invalid(
-                    "scoring_func",
-                    format!("`{f}`: the V4.1 forward pass implements `sqrtsoftplus` only"),
-                )
-                .into());
+            return Err(cfg.invalid(
+                "scoring_func",
+                format!("`{f}`: the V4.1 forward pass implements `sqrtsoftplus` only"),
+            ));
         }
         let experts = req(cfg, cfg.n_routed_experts, "n_routed_experts")?;
         let top_k = req(cfg, cfg.num_experts_per_tok, "num_experts_per_tok")?;
         if top_k > experts {
-            return Err(cfg
-                .invalid(
-                    "num_experts_per_tok",
-                    format!("{top_k} exceeds n_routed_experts {experts}"),
-                )
-                .into());
+            return Err(cfg.invalid(
+                "num_experts_per_tok",
+                format!("{top_k} exceeds n_routed_experts {experts}"),
+            ));
         }
         let hidden = usize::try_from(cfg.hidden_size()?)
-            .map_err(|_| Error::from(cfg.invalid("hidden_size", "too large")))?;
+            .map_err(|_| cfg.invalid("hidden_size", "too large"))?;
         Ok(ModelDims {
             vocab: req(cfg, cfg.vocab_size, "vocab_size")?,
             hidden,

@@ -33,8 +33,8 @@ use crate::plan::{LayerMode, LayerPlan};
 use crate::weights::TensorFile;
 
 use super::dims::ModelDims;
-use super::error::{Error, kernel};
 use super::weights::{BlockWeights, ExpertWeights, HcWeights, ModelWeights, TensorSource};
+use crate::Error;
 
 /// Expert work (FLOP) below which an extra MoE thread does not pay for its spawn.
 const MIN_MOE_FLOPS_PER_THREAD: usize = 4_000_000;
@@ -215,11 +215,11 @@ impl Job<'_> {
 impl Model {
     /// Assembles a model from its parts (the layer plan comes from the config).
     pub fn new(cfg: &ModelConfig, weights: ModelWeights) -> Result<Model, Error> {
-        let plan = LayerPlan::from_config(cfg).map_err(crate::attention::Error::from)?;
+        let plan = LayerPlan::from_config(cfg).map_err(Error::attention_config)?;
         let ad = AttentionDims::from_config(cfg, &plan)?;
         let dims = ModelDims::from_config(cfg)?;
         if weights.blocks.len() != dims.layers || plan.layers.len() != dims.layers {
-            return Err(Error::Input(format!(
+            return Err(Error::ModelInput(format!(
                 "{} blocks of weights and {} planned layers for num_hidden_layers {}",
                 weights.blocks.len(),
                 plan.layers.len(),
@@ -246,7 +246,7 @@ impl Model {
 
     /// [`Model::load`] from any [`TensorSource`] (a file, or [`super::init::Generator`]).
     pub fn load_from(cfg: &ModelConfig, src: &dyn TensorSource) -> Result<Model, Error> {
-        let plan = LayerPlan::from_config(cfg).map_err(crate::attention::Error::from)?;
+        let plan = LayerPlan::from_config(cfg).map_err(Error::attention_config)?;
         let ad = AttentionDims::from_config(cfg, &plan)?;
         let md = ModelDims::from_config(cfg)?;
         let w = ModelWeights::load_from(src, &md, &ad, &plan)?;
@@ -255,7 +255,7 @@ impl Model {
 
     /// [`Model::load`] from paths.
     pub fn from_files(config: &std::path::Path, weights: &std::path::Path) -> Result<Model, Error> {
-        let cfg = ModelConfig::from_file(config)?;
+        let cfg = ModelConfig::from_file(config).map_err(Error::model_config)?;
         let file = TensorFile::open(weights)?;
         Model::load(&cfg, &file)
     }
@@ -299,12 +299,12 @@ impl Model {
     fn block_weights(&self, l: usize) -> Result<&BlockWeights, Error> {
         self.blocks
             .get(l)
-            .ok_or_else(|| Error::Input(format!("layer {l} of {}", self.dims.layers)))
+            .ok_or_else(|| Error::ModelInput(format!("layer {l} of {}", self.dims.layers)))
     }
 
     fn norm_rows(&self, x: &[f32], w: &[f32], what: &str) -> Result<Vec<f32>, Error> {
         let mut out = vec![0f32; x.len()];
-        rms_norm(x, w, self.dims.eps, &mut out).map_err(kernel(what))?;
+        rms_norm(x, w, self.dims.eps, &mut out).map_err(Error::model_kernel(what))?;
         Ok(out)
     }
 
@@ -358,7 +358,7 @@ impl Model {
         let mut results: Vec<Option<Vec<f32>>> = vec![None; jobs.len()];
         if threads == 1 {
             for (j, r) in jobs.iter().zip(results.iter_mut()) {
-                *r = Some(j.run(x, h).map_err(kernel("moe expert"))?);
+                *r = Some(j.run(x, h).map_err(Error::model_kernel("moe expert"))?);
             }
         } else {
             // Greedy balance by token count.
@@ -380,12 +380,12 @@ impl Model {
                         .collect::<Vec<_>>()
                 });
             for (i, r) in done.into_iter().flatten().flatten() {
-                results[i] = Some(r.map_err(kernel("moe expert"))?);
+                results[i] = Some(r.map_err(Error::model_kernel("moe expert"))?);
             }
         }
         let mut out = vec![0f32; n * h];
         for (j, r) in jobs.iter().zip(results) {
-            let ys = r.ok_or_else(|| Error::Input("an MoE worker thread panicked".into()))?;
+            let ys = r.ok_or_else(|| Error::ModelInput("an MoE worker thread panicked".into()))?;
             for (&t, y) in j.tokens.iter().zip(ys.chunks_exact(h)) {
                 out[t * h..(t + 1) * h]
                     .iter_mut()
@@ -414,10 +414,10 @@ impl Model {
         let streams_in = trace.is_some().then(|| streams.to_vec());
         let attn_mix = hc
             .mixes(&site(&b.attn_hc), streams, n)
-            .map_err(kernel(format!("layer {l}: attn_hc")))?;
+            .map_err(Error::model_kernel(format!("layer {l}: attn_hc")))?;
         let mut x = vec![0f32; n * h];
         hc.collapse(prev_pre, streams, &mut x)
-            .map_err(kernel(format!("layer {l}: collapse")))?;
+            .map_err(Error::model_kernel(format!("layer {l}: collapse")))?;
         let attn_input = self.norm_rows(&x, &b.attn_norm, "attn_norm")?;
         let mut lt = LayerTrace::default();
         let mut y = Vec::with_capacity(n * h);
@@ -432,7 +432,6 @@ impl Model {
                 let rows = &attn_input[m.rows.start * h..m.rows.end * h];
                 self.attn
                     .forward_from(l, &mut *m.store, &mut m.step, rows, lt, ws)
-                    .map_err(Error::from)
             };
         // Decode steps of several members: their attentions are independent, and one decode
         // query is too little work to split, so the members are spread over the threads
@@ -450,7 +449,9 @@ impl Model {
             });
             for part in parts {
                 let part = part.unwrap_or_else(|| {
-                    Err(Error::Input("an attention worker thread panicked".into()))
+                    Err(Error::ModelInput(
+                        "an attention worker thread panicked".into(),
+                    ))
                 })?;
                 y.extend_from_slice(&part);
             }
@@ -461,21 +462,21 @@ impl Model {
             }
         }
         hc.expand(&attn_mix, &y, streams)
-            .map_err(kernel(format!("layer {l}: expand")))?;
+            .map_err(Error::model_kernel(format!("layer {l}: expand")))?;
         let ffn_mix = hc
             .mixes(&site(&b.ffn_hc), streams, n)
-            .map_err(kernel(format!("layer {l}: ffn_hc")))?;
+            .map_err(Error::model_kernel(format!("layer {l}: ffn_hc")))?;
         hc.collapse(&attn_mix, streams, &mut x)
-            .map_err(kernel(format!("layer {l}: collapse")))?;
+            .map_err(Error::model_kernel(format!("layer {l}: collapse")))?;
         let ffn_input = self.norm_rows(&x, &b.ffn_norm, "ffn_norm")?;
         let routes = self
             .dims
             .moe()
             .route(&ffn_input, &b.gate, &b.gate_bias, n)
-            .map_err(kernel(format!("layer {l}: router")))?;
+            .map_err(Error::model_kernel(format!("layer {l}: router")))?;
         let out = self.moe(b, &ffn_input, n, &routes)?;
         hc.expand(&ffn_mix, &out, streams)
-            .map_err(kernel(format!("layer {l}: expand")))?;
+            .map_err(Error::model_kernel(format!("layer {l}: expand")))?;
         if let Some(tr) = trace {
             *tr = BlockTrace {
                 streams_in: streams_in.unwrap_or_default(),
@@ -532,7 +533,7 @@ impl Model {
         let mut n = 0usize;
         for (k, it) in items.iter_mut().enumerate() {
             if it.tokens.is_empty() {
-                return Err(Error::Input(format!(
+                return Err(Error::ModelInput(format!(
                     "batch member {k}: a step needs at least one token"
                 )));
             }
@@ -542,7 +543,7 @@ impl Model {
                 .enumerate()
                 .find(|(_, t)| **t as usize >= v)
             {
-                return Err(Error::Input(format!(
+                return Err(Error::ModelInput(format!(
                     "token id {tok} at step position {i} is outside the vocabulary of {v}"
                 )));
             }
@@ -597,7 +598,7 @@ impl Model {
         let hc = self.hc();
         let mut x = vec![0f32; n * h];
         hc.collapse(&prev_pre, &streams, &mut x)
-            .map_err(kernel("final collapse"))?;
+            .map_err(Error::model_kernel("final collapse"))?;
         if layers.end < self.dims.layers {
             // CED encoder-only step: decoder KV sources from the boundary state, placeholder
             // window rows for the decoder layers (never read: their window is truncated).
@@ -641,7 +642,7 @@ impl Model {
                     v,
                     &mut out,
                 )
-                .map_err(kernel("lm head"))?;
+                .map_err(Error::model_kernel("lm head"))?;
             }
             outs.push(out);
         }
@@ -706,7 +707,7 @@ impl Model {
         }
         let len = store.len();
         let from = len.checked_sub(replay.len() as u64).ok_or_else(|| {
-            Error::Input(format!(
+            Error::ModelInput(format!(
                 "a replay of {} tokens is longer than the {len} the store holds",
                 replay.len()
             ))
@@ -791,7 +792,9 @@ impl Model {
         chunk: usize,
     ) -> Result<Vec<f32>, Error> {
         if tokens.is_empty() {
-            return Err(Error::Input("a prefill needs at least one token".into()));
+            return Err(Error::ModelInput(
+                "a prefill needs at least one token".into(),
+            ));
         }
         let plan = self.prefill_plan(store.step_start(), tokens.len(), replayed, mode, chunk);
         let mut last = Vec::new();

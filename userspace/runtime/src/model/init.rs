@@ -32,10 +32,10 @@ use crate::plan::LayerPlan;
 use crate::weights::Dtype;
 
 use super::dims::ModelDims;
-use super::error::Error;
 use super::forward::Model;
 use super::storage::{dequantize_fp4, dequantize_fp8, encode_fp4, encode_fp8, f32_from_bf16};
 use super::weights::{ModelWeights, TensorSource};
+use crate::Error;
 
 /// FP8 block shape of the release.
 const FP8_BLOCK: usize = 128;
@@ -260,7 +260,7 @@ impl TensorSource for Generator {
 }
 
 fn parts(cfg: &ModelConfig) -> Result<(ModelDims, AttentionDims, LayerPlan), Error> {
-    let plan = LayerPlan::from_config(cfg).map_err(crate::attention::Error::from)?;
+    let plan = LayerPlan::from_config(cfg).map_err(Error::attention_config)?;
     let ad = AttentionDims::from_config(cfg, &plan)?;
     let md = ModelDims::from_config(cfg)?;
     Ok((md, ad, plan))

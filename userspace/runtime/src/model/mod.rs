@@ -17,7 +17,6 @@
 //! - [`verify`]: `verify model` against `shared/vectors/csa2/model_vectors.safetensors`.
 
 mod dims;
-mod error;
 mod forward;
 pub mod init;
 mod storage;
@@ -25,7 +24,6 @@ pub mod verify;
 mod weights;
 
 pub use dims::ModelDims;
-pub use error::Error;
 pub use forward::{
     BatchItem, BlockTrace, Logits, Model, ModelStore, ModelTrace, PrefillMode, PrefillStep,
 };

@@ -16,9 +16,11 @@ use kvstack_firmware_interface::element::{
     e2m1_from_f32, e2m1_to_f32, e4m3_from_f32, e4m3_to_f32, pow2ceil_exponent, ue8m0_to_f32,
 };
 
-use crate::weights::{Dtype, RawTensor, Shape, TensorFile, WeightsError};
+use crate::weights::{
+    Dtype, DtypeMismatch, MissingTensor, RawTensor, Shape, ShapeMismatch, TensorFile,
+};
 
-use super::error::Error;
+use crate::Error;
 
 /// `f32` from a BF16 bit pattern.
 pub fn f32_from_bf16(b: u16) -> f32 {
@@ -187,22 +189,20 @@ fn scale_tensor<'f>(file: &'f TensorFile, name: &str) -> Option<(String, RawTens
 /// module table. Errors name the tensor (missing, shape, dtype, scale grid).
 pub fn load_f32(file: &TensorFile, name: &str, shape: &[usize]) -> Result<Vec<f32>, Error> {
     let Some(t) = file.raw_tensor(name) else {
-        return Err(WeightsError::Missing {
+        return Err(Error::Missing(Box::new(MissingTensor {
             path: file.path().to_path_buf(),
             name: name.to_owned(),
             dtype: "F32, BF16, F8_E4M3 (+ .scale) or packed F4 (+ .scale)",
             expected: shape.to_vec(),
-        }
-        .into());
+        })));
     };
     let shape_err = || -> Error {
-        WeightsError::Shape {
+        Error::WeightsShape(Box::new(ShapeMismatch {
             path: file.path().to_path_buf(),
             name: name.to_owned(),
             expected: shape.to_vec(),
             actual: t.shape.to_vec(),
-        }
-        .into()
+        }))
     };
     let matrix = |what: &str| -> Result<(usize, usize), Error> {
         match shape {
@@ -297,14 +297,13 @@ pub fn load_f32(file: &TensorFile, name: &str, shape: &[usize]) -> Result<Vec<f3
             let (s, sr, sc) = scales(r, c)?;
             dequantize_fp4(t.data, r, c, &s, sr, sc).map_err(|e| storage(file, name, e))
         }
-        other => Err(WeightsError::Dtype {
+        other => Err(Error::Dtype(Box::new(DtypeMismatch {
             path: file.path().to_path_buf(),
             name: name.to_owned(),
             expected: "F32, BF16, F8_E4M3 or packed F4",
             actual: format!("{other:?}"),
             shape: shape.to_vec(),
-        }
-        .into()),
+        }))),
     }
 }
 

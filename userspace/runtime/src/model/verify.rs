@@ -24,9 +24,9 @@ use serde::Serialize;
 use crate::config::ModelConfig;
 use crate::weights::TensorFile;
 
-use super::error::Error;
 use super::forward::{Logits, Model, ModelTrace};
 use super::weights::Naming;
+use crate::Error;
 
 /// One compared tensor.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -215,7 +215,7 @@ pub fn verify_model(
     vectors: &Path,
     rel_tol: f64,
 ) -> Result<ModelVerifyReport, Error> {
-    let cfg = ModelConfig::from_file(config)?;
+    let cfg = ModelConfig::from_file(config).map_err(Error::model_config)?;
     let wfile = TensorFile::open(weights)?;
     let model = Model::load(&cfg, &wfile)?;
     let naming = super::weights::Naming::detect(&wfile)?;
@@ -233,7 +233,7 @@ pub fn verify_loaded(
     let ids = match file.shape("input_ids") {
         Some([1, t]) => file.i64("input_ids", &[1, *t])?,
         other => {
-            return Err(Error::Vectors(format!(
+            return Err(Error::ModelVectors(format!(
                 "{}: `input_ids` has shape {:?}, expected [1, T]",
                 file.path().display(),
                 other
@@ -242,7 +242,7 @@ pub fn verify_loaded(
     };
     let tokens: Vec<u32> = ids
         .iter()
-        .map(|&t| u32::try_from(t).map_err(|_| Error::Vectors(format!("token id {t}"))))
+        .map(|&t| u32::try_from(t).map_err(|_| Error::ModelVectors(format!("token id {t}"))))
         .collect::<Result<_, _>>()?;
     let (t, h, v) = (tokens.len(), model.dims().hidden, model.dims().vocab);
     let mut sink = Sink {

@@ -20,8 +20,8 @@ use crate::plan::{LayerPlan, LayerSpec};
 use crate::weights::TensorFile;
 
 use super::dims::ModelDims;
-use super::error::Error;
 use super::storage::load_f32;
+use crate::Error;
 
 /// Where [`ModelWeights::load_from`] gets tensors: a checkpoint file, or a generator
 /// ([`super::init`]).

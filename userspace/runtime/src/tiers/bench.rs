@@ -26,7 +26,6 @@ use serde::Serialize;
 use zerocopy::FromBytes;
 
 use super::clock::SystemClock;
-use super::error::{Error, Result};
 use super::key::Tenant;
 use super::pool::{PoolOptions, WindowPool};
 use super::segment::StoreLocation;
@@ -34,6 +33,7 @@ use super::store::{BlockSource, ReadOutcome, SsdStore, StoreOptions, UnitWrite};
 use super::unit::{TierOptions, Tiers, block_payload_bytes, snapshot_bytes};
 use crate::builtin::default_config;
 use crate::cache::{AppendData, CacheOptions, KvCache};
+use crate::{Error, Result};
 
 /// Options of [`run_tiers_bench`].
 #[derive(Clone, Debug)]
@@ -415,7 +415,7 @@ pub fn run_tiers_bench(
     let work = opts
         .dir
         .join(format!("kvstack-bench-{}", std::process::id()));
-    std::fs::create_dir_all(&work).map_err(|e| Error::io("cannot create", &work, e))?;
+    std::fs::create_dir_all(&work).map_err(|e| Error::tiers_io("cannot create", &work, e))?;
     let result = bench_in(opts, &work, &mut progress);
     if let Err(e) = std::fs::remove_dir_all(&work) {
         log::warn!("cannot remove {}: {e}", work.display());
@@ -428,11 +428,11 @@ fn bench_in(
     work: &Path,
     progress: &mut dyn FnMut(&str),
 ) -> Result<TiersReport> {
-    let cfg = default_config().map_err(|e| Error::Config(Box::new(e)))?;
+    let cfg = default_config().map_err(Error::tiers_config)?;
     let clock = Arc::new(SystemClock);
     let store_dir = work.join("store");
     let fio_dir = work.join("fio");
-    std::fs::create_dir_all(&fio_dir).map_err(|e| Error::io("cannot create", &fio_dir, e))?;
+    std::fs::create_dir_all(&fio_dir).map_err(|e| Error::tiers_io("cannot create", &fio_dir, e))?;
 
     let unit_tokens = opts.unit_tokens.next_multiple_of(256).max(256);
     let blocks_per_unit = unit_tokens / 256;
@@ -505,7 +505,7 @@ fn bench_in(
             progress("fio write");
             let _ = std::fs::remove_dir_all(&fio_dir);
             std::fs::create_dir_all(&fio_dir)
-                .map_err(|e| Error::io("cannot create", &fio_dir, e))?;
+                .map_err(|e| Error::tiers_io("cannot create", &fio_dir, e))?;
             let mut a = fio_args.clone();
             a.push("--end_fsync=1".into());
             let bw = run_fio(&a, "write")?;
@@ -591,9 +591,8 @@ fn bench_in(
         ..CacheOptions::default()
     };
     let (source_tokens, global_bytes) = {
-        let mut src =
-            KvCache::for_config(&cfg, cache_opts).map_err(|e| Error::Config(Box::new(e)))?;
-        let seq = src.create_sequence()?;
+        let mut src = KvCache::for_config(&cfg, cache_opts).map_err(Error::tiers_config)?;
+        let seq = src.create_sequence().map_err(Error::tiers_cache)?;
         let tokens: Vec<u32> = (0..unit_tokens as u32).map(|i| i ^ 0xABCD).collect();
         fill_sequence(&mut src, seq, &tokens)?;
         tiers.persist(&src, seq, &tenant, unit_tokens)?.wait()?;
@@ -608,7 +607,7 @@ fn bench_in(
     // Cold: into a fresh cache, whose pools commit (fault in, lock, collapse into huge pages)
     // every page on first use. Warm: the same cache again after the sequence and its prefix
     // index entries are dropped, so its pages are committed already, as in a serving process.
-    let mut dst = KvCache::for_config(&cfg, cache_opts).map_err(|e| Error::Config(Box::new(e)))?;
+    let mut dst = KvCache::for_config(&cfg, cache_opts).map_err(Error::tiers_config)?;
     let mut times = Vec::new();
     let mut restored_tokens = 0;
     for _ in 0..2 {
@@ -623,7 +622,8 @@ fn bench_in(
                 restored.tokens, restored.mapped_tokens
             ));
         }
-        dst.drop_sequence(restored.seq)?;
+        dst.drop_sequence(restored.seq)
+            .map_err(Error::tiers_cache)?;
         dst.clear_prefix_index();
     }
     drop(dst);
@@ -734,7 +734,9 @@ fn fill_sequence(cache: &mut KvCache, seq: crate::cache::SequenceId, tokens: &[u
     let mut at = 0usize;
     while at < tokens.len() {
         let end = (at + 4096).min(tokens.len());
-        let shape = cache.append_shape(seq, (end - at) as u64)?;
+        let shape = cache
+            .append_shape(seq, (end - at) as u64)
+            .map_err(Error::tiers_cache)?;
         let last = end == tokens.len();
         let k = if last {
             shape.max_window_rows as usize
@@ -760,7 +762,7 @@ fn fill_sequence(cache: &mut KvCache, seq: crate::cache::SequenceId, tokens: &[u
                 .map(|_| -> &[f32] { &[] })
                 .collect(),
         };
-        cache.append(seq, &data)?;
+        cache.append(seq, &data).map_err(Error::tiers_cache)?;
         at = end;
     }
     Ok(())

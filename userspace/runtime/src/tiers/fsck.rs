@@ -7,11 +7,11 @@ use kvstack_driver::blockio::EngineChoice;
 use kvstack_firmware_interface::record::{Key, RecordKind};
 use serde::Serialize;
 
-use super::error::Result;
 use super::key::key_hex;
 use super::scan::Damage;
 use super::segment::StoreLocation;
 use super::store::{StoreOptions, scan_location};
+use crate::Result;
 
 /// What `fsck` found.
 #[derive(Clone, Debug, Serialize)]

@@ -17,7 +17,6 @@
 
 pub mod bench;
 pub mod clock;
-mod error;
 pub mod fsck;
 pub mod key;
 pub mod pool;
@@ -28,7 +27,6 @@ pub mod unit;
 
 pub use bench::{TiersBenchOptions, TiersReport, run_tiers_bench};
 pub use clock::{Clock, HOUR_MS, ManualClock, SystemClock};
-pub use error::{Error, Result};
 pub use key::{ModelFingerprint, Tenant};
 pub use pool::{PoolOptions, PoolStats, WindowPool};
 pub use scan::Damage;

@@ -20,7 +20,7 @@ use kvstack_firmware_interface::record::Key;
 use serde::Serialize;
 
 use super::clock::Clock;
-use super::error::{Error, Result};
+use crate::{Error, Result};
 
 /// Default TTL of a window snapshot: 5 minutes.
 pub const DEFAULT_TTL_MS: u64 = 5 * 60 * 1000;
@@ -157,11 +157,11 @@ impl WindowPool {
     /// A pool with `opts`. Reserves address space for the cap; commits nothing yet.
     ///
     /// # Errors
-    /// [`Error::InvalidOption`] for a zero slot size or a cap below one slot,
-    /// [`Error::Memory`] when the reservation fails.
+    /// [`Error::TiersInvalidOption`] for a zero slot size or a cap below one slot,
+    /// [`Error::TiersMemory`] when the reservation fails.
     pub fn new(opts: PoolOptions, clock: Arc<dyn Clock>) -> Result<WindowPool> {
         if opts.slot_bytes == 0 {
-            return Err(Error::InvalidOption {
+            return Err(Error::TiersInvalidOption {
                 field: "slot_bytes",
                 reason: "is 0".into(),
             });
@@ -176,13 +176,13 @@ impl WindowPool {
         };
         let max_slots = usize::try_from(capacity / slot_bytes as u64).unwrap_or(usize::MAX);
         if max_slots == 0 {
-            return Err(Error::InvalidOption {
+            return Err(Error::TiersInvalidOption {
                 field: "capacity_bytes",
                 reason: format!("{capacity} bytes do not hold one {slot_bytes}-byte snapshot"),
             });
         }
         let region =
-            GrowableRegion::new(max_slots * slot_bytes, opts.memory).map_err(Error::Memory)?;
+            GrowableRegion::new(max_slots * slot_bytes, opts.memory).map_err(Error::TiersMemory)?;
         Ok(WindowPool {
             inner: Mutex::new(Inner {
                 region,
@@ -216,14 +216,14 @@ impl WindowPool {
     /// Stores `bytes` under `key` (replacing any snapshot there).
     ///
     /// # Errors
-    /// [`Error::InvalidOption`] for a snapshot larger than a slot; [`Error::Memory`] when
+    /// [`Error::TiersInvalidOption`] for a snapshot larger than a slot; [`Error::TiersMemory`] when
     /// memory cannot be committed.
     pub fn put(&self, key: Key, bytes: &[u8]) -> Result<()> {
         let now = self.clock.now_ms();
         let mut g = self.lock();
         let inner = &mut *g;
         if bytes.len() > inner.slot_bytes {
-            return Err(Error::InvalidOption {
+            return Err(Error::TiersInvalidOption {
                 field: "slot_bytes",
                 reason: format!(
                     "a {}-byte snapshot does not fit a {}-byte slot",
@@ -241,7 +241,7 @@ impl WindowPool {
             inner
                 .region
                 .commit((i + 1) * inner.slot_bytes)
-                .map_err(Error::Memory)?;
+                .map_err(Error::TiersMemory)?;
             inner.slots.push(None);
             i
         } else {
@@ -257,7 +257,7 @@ impl WindowPool {
                 Some(i) => i,
                 None => {
                     let Some(&(_, i)) = inner.lru.first() else {
-                        return Err(Error::InvalidOption {
+                        return Err(Error::TiersInvalidOption {
                             field: "capacity_bytes",
                             reason: "the pool has no slot".into(),
                         });

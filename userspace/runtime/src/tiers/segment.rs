@@ -20,7 +20,7 @@ use kvstack_driver::pinned::{HugePages, Locking, PinnedOptions, PinnedRegion};
 use kvstack_firmware_interface::record::{ALIGN, SEGMENT_HEADER_PAGE};
 use serde::Serialize;
 
-use super::error::{Error, Result};
+use crate::{Error, Result};
 
 /// Where a store keeps its segments.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -117,7 +117,7 @@ impl Space {
         read_only: bool,
     ) -> Result<Space> {
         if segment_bytes < 4 * ALIGN as u64 || !segment_bytes.is_multiple_of(ALIGN as u64) {
-            return Err(Error::InvalidOption {
+            return Err(Error::TiersInvalidOption {
                 field: "segment_bytes",
                 reason: format!("{segment_bytes} is not a multiple of 4096 of at least 16384"),
             });
@@ -126,7 +126,7 @@ impl Space {
             StoreLocation::Directory(dir) => {
                 if !read_only {
                     std::fs::create_dir_all(dir)
-                        .map_err(|e| Error::io("cannot create store directory", dir, e))?;
+                        .map_err(|e| Error::tiers_io("cannot create store directory", dir, e))?;
                 } else if !dir.is_dir() {
                     return Err(Error::Location {
                         path: dir.clone(),
@@ -144,14 +144,14 @@ impl Space {
                         direct,
                     },
                 )
-                .map_err(|e| Error::io("cannot open store device", path, e))?;
-                let size =
-                    file_size(&f).map_err(|e| Error::io("cannot size store device", path, e))?;
+                .map_err(|e| Error::tiers_io("cannot open store device", path, e))?;
+                let size = file_size(&f)
+                    .map_err(|e| Error::tiers_io("cannot size store device", path, e))?;
                 (size / segment_bytes, Some(Arc::new(f)))
             }
         };
         if slots < 3 {
-            return Err(Error::InvalidOption {
+            return Err(Error::TiersInvalidOption {
                 field: "capacity_bytes",
                 reason: format!(
                     "room for {slots} segments of {segment_bytes} bytes; at least 3 are needed \
@@ -177,10 +177,10 @@ impl Space {
             (StoreLocation::Directory(dir), _) => {
                 let mut out = Vec::new();
                 let entries = std::fs::read_dir(dir)
-                    .map_err(|e| Error::io("cannot list store directory", dir, e))?;
+                    .map_err(|e| Error::tiers_io("cannot list store directory", dir, e))?;
                 for entry in entries {
-                    let entry =
-                        entry.map_err(|e| Error::io("cannot list store directory", dir, e))?;
+                    let entry = entry
+                        .map_err(|e| Error::tiers_io("cannot list store directory", dir, e))?;
                     let name = entry.file_name();
                     let Some(id) = name.to_str().and_then(parse_segment_name) else {
                         continue;
@@ -194,9 +194,9 @@ impl Space {
                             direct: self.direct,
                         },
                     )
-                    .map_err(|e| Error::io("cannot open segment", &path, e))?;
-                    let bytes =
-                        file_size(&f).map_err(|e| Error::io("cannot size segment", &path, e))?;
+                    .map_err(|e| Error::tiers_io("cannot open segment", &path, e))?;
+                    let bytes = file_size(&f)
+                        .map_err(|e| Error::tiers_io("cannot size segment", &path, e))?;
                     out.push(ExistingSlot {
                         slot: id,
                         named_id: Some(id),
@@ -262,9 +262,9 @@ impl Space {
                         direct: self.direct,
                     },
                 )
-                .map_err(|e| Error::io("cannot create segment", &path, e))?;
+                .map_err(|e| Error::tiers_io("cannot create segment", &path, e))?;
                 preallocate(&f, self.segment_bytes)
-                    .map_err(|e| Error::io("cannot preallocate segment", &path, e))?;
+                    .map_err(|e| Error::tiers_io("cannot preallocate segment", &path, e))?;
                 // The new name must survive a crash along with the data written into it: the
                 // directory is synced with the batch that first writes into it, so creation
                 // itself does not wait for a journal commit.
@@ -308,7 +308,7 @@ impl Space {
         self.used.remove(&seg.slot);
         match &self.location {
             StoreLocation::Directory(_) => std::fs::remove_file(&seg.path)
-                .map_err(|e| Error::io("cannot remove segment", &seg.path, e)),
+                .map_err(|e| Error::tiers_io("cannot remove segment", &seg.path, e)),
             StoreLocation::Device(_) => {
                 let mut page = PinnedRegion::new(
                     SEGMENT_HEADER_PAGE,
@@ -317,11 +317,11 @@ impl Space {
                         locking: Locking::Never,
                     },
                 )
-                .map_err(Error::Memory)?;
+                .map_err(Error::TiersMemory)?;
                 page.as_mut_slice().fill(0);
                 seg.file
                     .write_all_at(&page.as_slice()[..SEGMENT_HEADER_PAGE], seg.base)
-                    .map_err(|e| Error::io("cannot clear segment slot of", &seg.path, e))
+                    .map_err(|e| Error::tiers_io("cannot clear segment slot of", &seg.path, e))
             }
         }
     }
@@ -334,7 +334,7 @@ impl Space {
         }
         if let StoreLocation::Directory(_) = self.location {
             std::fs::remove_file(&slot.path)
-                .map_err(|e| Error::io("cannot remove invalid segment", &slot.path, e))?;
+                .map_err(|e| Error::tiers_io("cannot remove invalid segment", &slot.path, e))?;
         }
         Ok(())
     }

@@ -51,10 +51,10 @@ use kvstack_firmware_interface::record::{
 use serde::Serialize;
 
 use super::clock::{Clock, HOUR_MS};
-use super::error::{Error, Result};
 use super::key::{ModelFingerprint, Tenant, block_key, chain_keys, root_key};
 use super::scan::{Damage, SegmentScan, scan_segment};
 use super::segment::{SegmentFile, Space, StoreLocation};
+use crate::{Error, Result};
 
 /// Default retention after last use: 72 hours (spec §7).
 pub const DEFAULT_RETENTION_MS: u64 = 72 * HOUR_MS;
@@ -134,7 +134,7 @@ impl StoreOptions {
 
     fn validate(&self) -> Result<()> {
         let bad = |field, reason: &str| {
-            Err(Error::InvalidOption {
+            Err(Error::TiersInvalidOption {
                 field,
                 reason: reason.to_owned(),
             })
@@ -608,10 +608,10 @@ fn engine_for(
     slot_bytes: usize,
     preference: EnginePreference,
 ) -> Result<(Box<dyn BlockEngine>, BufferPool, EngineChoice)> {
-    let pool = BufferPool::new(slots, slot_bytes, opts.memory).map_err(Error::Memory)?;
+    let pool = BufferPool::new(slots, slot_bytes, opts.memory).map_err(Error::TiersMemory)?;
     let dir = opts.location.probe_dir();
     let (engine, choice) = choose_engine(&dir, slots, &pool, preference)
-        .map_err(|e| Error::io("cannot set up block I/O for", &dir, e))?;
+        .map_err(|e| Error::tiers_io("cannot set up block I/O for", &dir, e))?;
     Ok((engine, pool, choice))
 }
 
@@ -959,7 +959,9 @@ impl SsdStore {
                 std::thread::Builder::new()
                     .name("kvstack-ssd-writer".into())
                     .spawn(move || w.run(rx))
-                    .map_err(|e| Error::io("cannot start the writer thread for", "store", e))?,
+                    .map_err(|e| {
+                        Error::tiers_io("cannot start the writer thread for", "store", e)
+                    })?,
             )
         };
         Ok(SsdStore { shared, writer })
@@ -1288,7 +1290,11 @@ impl SsdStore {
                     tag: next_submit as u64,
                 };
                 if let Err(e) = ctx.engine.submit(op) {
-                    result = Err(Error::io("cannot read from", seg.path.clone(), e.error));
+                    result = Err(Error::tiers_io(
+                        "cannot read from",
+                        seg.path.clone(),
+                        e.error,
+                    ));
                     break;
                 }
                 next_submit += 1;
@@ -1331,7 +1337,7 @@ impl SsdStore {
             }
             let mut out = Vec::new();
             if let Err(e) = ctx.engine.wait(1, &mut out) {
-                result = Err(Error::io("block I/O failed on", "store", e));
+                result = Err(Error::tiers_io("block I/O failed on", "store", e));
                 break;
             }
             for c in out {
@@ -1714,7 +1720,7 @@ fn open_existing(space: &Space, scan: &SegmentScan) -> Result<Arc<std::fs::File>
             direct: space.direct,
         },
     )
-    .map_err(|e| Error::io("cannot open segment", &scan.path, e))?;
+    .map_err(|e| Error::tiers_io("cannot open segment", &scan.path, e))?;
     Ok(Arc::new(f))
 }
 
@@ -2156,7 +2162,7 @@ impl Writer {
         }
         self.engine
             .submit(op)
-            .map_err(|e| Error::io("cannot write to", file.path.clone(), e.error))?;
+            .map_err(|e| Error::tiers_io("cannot write to", file.path.clone(), e.error))?;
         self.inflight.insert(tag, pending);
         bump(&self.shared.counters.bytes_written, len);
         Ok(())
@@ -2710,12 +2716,12 @@ impl Writer {
         };
         self.engine
             .submit(op)
-            .map_err(|e| Error::io("cannot read from", file.path.clone(), e.error))?;
+            .map_err(|e| Error::tiers_io("cannot read from", file.path.clone(), e.error))?;
         self.inflight.insert(tag, Pending::Read);
         self.read_done = None;
         while self.read_done.is_none() {
             if self.engine.in_flight() == 0 {
-                return Err(Error::io(
+                return Err(Error::tiers_io(
                     "block I/O ring lost a read of",
                     file.path.clone(),
                     std::io::Error::other("no completion"),
@@ -2726,7 +2732,7 @@ impl Writer {
                 && e.starts_with("I/O ring")
                 && self.read_done.is_none()
             {
-                return Err(Error::io(
+                return Err(Error::tiers_io(
                     "block I/O ring failed reading",
                     file.path.clone(),
                     std::io::Error::other(e.to_owned()),
@@ -2876,13 +2882,13 @@ fn write_segment_header(file: &SegmentFile, header: &SegmentHeader) -> Result<()
             locking: kvstack_driver::pinned::Locking::Never,
         },
     )
-    .map_err(Error::Memory)?;
+    .map_err(Error::TiersMemory)?;
     let bytes = page.as_mut_slice();
     bytes.fill(0);
     bytes[..SegmentHeader::BYTES].copy_from_slice(&header.encode());
     file.file
         .write_all_at(&page.as_slice()[..SEGMENT_HEADER_PAGE], file.base)
-        .map_err(|e| Error::io("cannot write the header of segment", file.path.clone(), e))
+        .map_err(|e| Error::tiers_io("cannot write the header of segment", file.path.clone(), e))
 }
 
 /// Makes a durable unit visible (or records a touch), moving its job's pins to coverage.

@@ -26,7 +26,6 @@ use serde::Serialize;
 use zerocopy::{FromBytes, IntoBytes};
 
 use super::clock::Clock;
-use super::error::{Error, Result};
 use super::key::{ModelFingerprint, Tenant};
 use super::pool::{PoolOptions, WindowPool};
 use super::store::{
@@ -34,6 +33,7 @@ use super::store::{
 };
 use crate::cache::{AppendData, CacheGeometry, KvCache, SequenceId};
 use crate::config::ModelConfig;
+use crate::{Error, Result};
 
 /// Default interval of units within a long input, in tokens.
 pub const DEFAULT_UNIT_INTERVAL: u64 = 4096;
@@ -174,13 +174,19 @@ impl BlockSource for CacheBlocks<'_> {
         for s in &g.sources {
             let m = s.ratio as usize;
             let n = tokens / m;
-            let global = self.cache.global_entries(self.seq, s.layer)?;
+            let global = self
+                .cache
+                .global_entries(self.seq, s.layer)
+                .map_err(Error::tiers_cache)?;
             let page = global
                 .page(index)
                 .and_then(|p| p.get(..n))
                 .ok_or_else(|| bad(format!("layer {}: global entries missing", s.layer)))?;
             out.extend_from_slice(page.as_bytes());
-            let keys = self.cache.index_keys(self.seq, s.layer)?;
+            let keys = self
+                .cache
+                .index_keys(self.seq, s.layer)
+                .map_err(Error::tiers_cache)?;
             let page = keys
                 .page(index)
                 .and_then(|p| p.get(..n))
@@ -202,9 +208,8 @@ impl Tiers {
         mut opts: TierOptions,
         clock: Arc<dyn Clock>,
     ) -> Result<Tiers> {
-        let plan =
-            crate::plan::LayerPlan::from_config(cfg).map_err(|e| Error::Config(Box::new(e)))?;
-        let geometry = CacheGeometry::new(cfg, &plan, page_tokens)?;
+        let plan = crate::plan::LayerPlan::from_config(cfg).map_err(Error::tiers_config)?;
+        let geometry = CacheGeometry::new(cfg, &plan, page_tokens).map_err(Error::tiers_cache)?;
         let model = ModelFingerprint::new(cfg, geometry.page_tokens).with_weights(&opts.weights_id);
         let block = block_payload_bytes(&geometry, geometry.page_tokens as u64) as usize
             + 4 * geometry.page_tokens;
@@ -278,14 +283,14 @@ impl Tiers {
         tenant: &Tenant,
         upto: u64,
     ) -> Result<UnitTicket> {
-        let len = cache.len(seq)?;
+        let len = cache.len(seq).map_err(Error::tiers_cache)?;
         if upto == 0 || upto > len || !upto.is_multiple_of(self.align) {
             return Err(Error::Unaligned {
                 tokens: upto,
                 align: self.align,
             });
         }
-        let tokens = cache.tokens(seq)?;
+        let tokens = cache.tokens(seq).map_err(Error::tiers_cache)?;
         let source = CacheBlocks { cache, seq };
         let ticket = self.store.put_unit(&UnitWrite {
             model: &self.model,
@@ -307,7 +312,7 @@ impl Tiers {
     /// not hold every row it should (after a prefix hit whose window was not rebuilt).
     fn window_snapshot(&self, cache: &KvCache, seq: SequenceId) -> Result<Option<Vec<u8>>> {
         let g = &self.geometry;
-        let len = cache.len(seq)?;
+        let len = cache.len(seq).map_err(Error::tiers_cache)?;
         let rows = len.min(g.window_tokens as u64);
         let mut out = Vec::with_capacity(snapshot_bytes(g));
         out.extend_from_slice(&SNAPSHOT_MAGIC);
@@ -317,7 +322,7 @@ impl Tiers {
         out.extend_from_slice(&(g.sources.len() as u32).to_le_bytes());
         out.extend_from_slice(&0u32.to_le_bytes());
         for l in 0..g.num_layers {
-            let w = cache.window(seq, l)?;
+            let w = cache.window(seq, l).map_err(Error::tiers_cache)?;
             if w.range() != (len - rows..len) {
                 return Ok(None);
             }
@@ -327,7 +332,7 @@ impl Tiers {
         }
         for s in &g.sources {
             let pending: &[f32] = if s.ratio > 1 {
-                match cache.pending(seq, s.layer)? {
+                match cache.pending(seq, s.layer).map_err(Error::tiers_cache)? {
                     Some(p) => p,
                     None => return Ok(None),
                 }
@@ -370,7 +375,9 @@ impl Tiers {
         let mapped = cache
             .lookup_prefix(&tokens[..want as usize])
             .min(want / p * p);
-        let created = cache.create_sequence_with_prefix(tokens, mapped)?;
+        let created = cache
+            .create_sequence_with_prefix(tokens, mapped)
+            .map_err(Error::tiers_cache)?;
         let seq = created.seq;
         let mapped = created.tokens;
         let first_block = (mapped / p) as usize;
@@ -413,16 +420,18 @@ impl Tiers {
                         .map_err(|_| bad("indexer keys".into()))?,
                 );
             }
-            cache.append(
-                seq,
-                &AppendData {
-                    tokens: tok,
-                    global,
-                    index,
-                    window: &[],
-                    pending: empty.clone(),
-                },
-            )?;
+            cache
+                .append(
+                    seq,
+                    &AppendData {
+                        tokens: tok,
+                        global,
+                        index,
+                        window: &[],
+                        pending: empty.clone(),
+                    },
+                )
+                .map_err(Error::tiers_cache)?;
             read_bytes += kv.len() as u64;
             Ok(())
         });
@@ -434,7 +443,7 @@ impl Tiers {
                 return Err(e);
             }
         };
-        let len = cache.len(seq)?;
+        let len = cache.len(seq).map_err(Error::tiers_cache)?;
         let mut window = false;
         if len == want && hit.window && len > 0 {
             window = self.restore_window(cache, seq, hit)?;
@@ -462,7 +471,7 @@ impl Tiers {
             return Ok(false);
         };
         let g = &self.geometry;
-        let len = cache.len(seq)?;
+        let len = cache.len(seq).map_err(Error::tiers_cache)?;
         let mut snap = Vec::new();
         if !self.pool.get(&key, &mut snap) {
             return Ok(false);
@@ -474,10 +483,14 @@ impl Tiers {
         if parsed.tokens != len {
             return Ok(false);
         }
-        cache.write_window(seq, len - parsed.rows, parsed.window)?;
+        cache
+            .write_window(seq, len - parsed.rows, parsed.window)
+            .map_err(Error::tiers_cache)?;
         for (s, values) in g.sources.iter().zip(&parsed.pending) {
             if s.ratio > 1 && !values.is_empty() {
-                cache.set_pending(seq, s.layer, values)?;
+                cache
+                    .set_pending(seq, s.layer, values)
+                    .map_err(Error::tiers_cache)?;
             }
         }
         Ok(true)

@@ -7,9 +7,10 @@ use std::sync::Arc;
 
 use kvstack_driver::blockio::EnginePreference;
 use kvstack_driver::pinned::{HugePages, Locking, PinnedOptions};
+use kvstack_runtime::Result;
 use kvstack_runtime::tiers::{
-    BlockSource, Clock, ModelFingerprint, ReadOutcome, Result, SsdStore, StoreLocation,
-    StoreOptions, Tenant, UnitTicket, UnitWrite,
+    BlockSource, Clock, ModelFingerprint, ReadOutcome, SsdStore, StoreLocation, StoreOptions,
+    Tenant, UnitTicket, UnitWrite,
 };
 
 pub const MEM: PinnedOptions = PinnedOptions {
