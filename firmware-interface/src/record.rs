@@ -409,6 +409,27 @@ pub fn encode_record(
     payload: &[u8],
     out: &mut [u8],
 ) -> Result<usize, Error> {
+    encode_record_with_crc(header, payload, crc32c(payload), out)
+}
+
+/// [`encode_record`] with the payload's checksum already computed (`payload_crc` must be
+/// [`crc32c`]`(payload)`), so that a writer can take it from whoever produced the payload
+/// while the bytes were in cache. A wrong value is not trusted blindly: readers verify the
+/// payload against it, so such a record reads as damaged. Debug builds check it here.
+///
+/// # Errors
+/// As [`encode_record`].
+pub fn encode_record_with_crc(
+    header: &RecordHeader,
+    payload: &[u8],
+    payload_crc: u32,
+    out: &mut [u8],
+) -> Result<usize, Error> {
+    debug_assert_eq!(
+        payload_crc,
+        crc32c(payload),
+        "encode_record_with_crc: wrong CRC"
+    );
     let payload_len = payload.len() as u64;
     if payload_len > MAX_PAYLOAD {
         return Err(Error::RecordPayloadLength {
@@ -425,7 +446,7 @@ pub fn encode_record(
     };
     let h = RecordHeader {
         payload_len,
-        payload_crc: crc32c(payload),
+        payload_crc,
         ..*header
     };
     let (page, body) = out.split_at_mut(RECORD_HEADER_PAGE);
@@ -631,6 +652,11 @@ mod tests {
         // Header page and payload padding are zero.
         assert!(buf[RecordHeader::BYTES..ALIGN].iter().all(|&b| b == 0));
         assert!(buf[ALIGN + 10_000..len].iter().all(|&b| b == 0));
+        // With the checksum computed elsewhere: the same bytes.
+        let mut other = vec![0x55u8; 5 * ALIGN];
+        let n = encode_record_with_crc(&header(), &payload, crc32c(&payload), &mut other).unwrap();
+        assert_eq!(n, len);
+        assert_eq!(other[..len], buf[..len]);
     }
 
     #[test]

@@ -46,7 +46,7 @@ use kvstack_driver::blockio::{
 use kvstack_driver::pinned::PinnedOptions;
 use kvstack_firmware_interface::record::{
     ALIGN, KEY_BYTES, Key, RecordFlags, RecordHeader, RecordKind, SEGMENT_HEADER_PAGE,
-    SegmentHeader, encode_record, record_len,
+    SegmentHeader, crc32c, encode_record_with_crc, record_len,
 };
 use serde::Serialize;
 
@@ -440,6 +440,9 @@ struct NewBlock {
     tokens: u32,
     /// KV bytes followed by the token ids.
     payload: Vec<u8>,
+    /// CRC-32C of `payload`, computed by `put_unit` right after filling it (so the writer
+    /// thread, which keeps the disk's queue full, only copies it).
+    crc: u32,
 }
 
 struct UnitJob {
@@ -1141,6 +1144,7 @@ impl SsdStore {
                 parent: if i == 0 { root } else { keys[i - 1] },
                 depth: i as u32 + 1,
                 tokens: count as u32,
+                crc: crc32c(&payload),
                 payload,
             });
             new_count += 1;
@@ -1999,8 +2003,9 @@ impl Writer {
                     last_used_ms: created,
                     payload_crc: 0,
                 };
-                let written =
-                    self.write_record(header, &b.payload, |loc| Pending::Block { key: b.key, loc });
+                let written = self.write_record(header, &b.payload, Some(b.crc), |loc| {
+                    Pending::Block { key: b.key, loc }
+                });
                 // Encoded into the I/O buffer (or failed): the payload is no longer needed.
                 self.shared.recycle_payload(std::mem::take(&mut b.payload));
                 match written {
@@ -2090,8 +2095,10 @@ impl Writer {
             } else {
                 Purpose::Data
             };
-            let written =
-                self.write_record(header, &payload, |loc| Pending::Commit { job: i, loc });
+            let written = self.write_record(header, &payload, None, |loc| Pending::Commit {
+                job: i,
+                loc,
+            });
             self.purpose = Purpose::Data;
             match written {
                 Ok(loc) => {
@@ -2119,11 +2126,13 @@ impl Writer {
         })
     }
 
-    /// Encodes a record into a buffer, allocates its place and submits the write.
+    /// Encodes a record into a buffer, allocates its place and submits the write; `crc` is
+    /// the payload's CRC-32C when already known.
     fn write_record(
         &mut self,
         mut header: RecordHeader,
         payload: &[u8],
+        crc: Option<u32>,
         pending: impl FnOnce(Loc) -> Pending,
     ) -> Result<Loc> {
         let len = record_len(payload.len() as u64);
@@ -2131,8 +2140,11 @@ impl Writer {
         let (file, loc) = self.allocate(len)?;
         header.seq = loc.seq;
         header.segment = loc.seg;
-        encode_record(&header, payload, buf.as_mut_slice()).map_err(|e| Error::WriteFailed {
-            reason: e.to_string(),
+        let crc = crc.unwrap_or_else(|| crc32c(payload));
+        encode_record_with_crc(&header, payload, crc, buf.as_mut_slice()).map_err(|e| {
+            Error::WriteFailed {
+                reason: e.to_string(),
+            }
         })?;
         self.submit(buf, &file, loc.offset, len, pending(loc))?;
         Ok(loc)
@@ -2165,6 +2177,10 @@ impl Writer {
             .map_err(|e| Error::tiers_io("cannot write to", file.path.clone(), e.error))?;
         self.inflight.insert(tag, pending);
         bump(&self.shared.counters.bytes_written, len);
+        // Hand it to the kernel now: `submit` only queues it, and the next wait would come
+        // after encoding the next record (about 35 us), a write's worth of queue depth lost
+        // all the time. Collects whatever has completed meanwhile, without blocking.
+        self.reap(0);
         Ok(())
     }
 
@@ -2813,7 +2829,7 @@ impl Writer {
                 last_used_ms: last_used,
                 payload_crc: 0,
             };
-            self.write_record(header, &payload, |loc| Pending::Relocated {
+            self.write_record(header, &payload, None, |loc| Pending::Relocated {
                 key: *end,
                 loc,
                 unit: true,
