@@ -1277,6 +1277,7 @@ impl SsdStore {
         let mut result = Ok(());
         let mut stop_at: Option<(usize, bool)> = None;
         while next_deliver < plan.len() && stop_at.is_none() {
+            let submitted = next_submit;
             while next_submit < plan.len()
                 && next_submit < next_deliver + window
                 && ctx.engine.in_flight() < depth
@@ -1305,6 +1306,18 @@ impl SsdStore {
             }
             if result.is_err() {
                 break;
+            }
+            if next_submit > submitted {
+                // Hand the new reads to the kernel before checking and delivering a block
+                // (about 50 us each); `submit` only queues them. Never blocks.
+                let mut out = Vec::new();
+                if let Err(e) = ctx.engine.wait(0, &mut out) {
+                    result = Err(Error::tiers_io("block I/O failed on", "store", e));
+                    break;
+                }
+                for c in out {
+                    ready.insert(c.op.tag as usize, c);
+                }
             }
             if let Some(c) = ready.remove(&next_deliver) {
                 let (l, seg, tokens) = &plan[next_deliver];
