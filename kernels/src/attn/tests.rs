@@ -71,23 +71,31 @@ fn indexer_scan_is_bit_identical_to_the_reference() {
     }
 }
 
+/// Asserts that every integer kernel this CPU can run takes every whole tile of `ks` (none
+/// falls back to the exact path), so that the bit-identity checks exercise the kernels.
 #[cfg(target_arch = "x86_64")]
-#[test]
-fn realistic_keys_take_the_integer_kernel() {
-    if !crate::SimdLevel::Avx2.is_available() {
-        return;
-    }
-    let mut r = StdRng::seed_from_u64(15);
-    for _ in 0..4 {
-        let q = index_query(&mut r);
-        let ks = keys(&mut r, 800);
+fn assert_kernels_take(q: &IndexQuery, ks: &[IndexMxfp4Entry], what: &str) {
+    let scales = |t: &[IndexMxfp4Entry]| t.iter().map(|k| k.scales).collect::<Vec<_>>();
+    if crate::SimdLevel::Avx2.is_available() {
         for t in ks.as_chunks::<8>().0 {
             // SAFETY: AVX2 and FMA were detected above.
-            let ok = unsafe { super::avx2::tile_accepted(&q, &t.each_ref()) };
+            let ok = unsafe { super::avx2::tile_accepted(q, &t.each_ref()) };
             assert!(
                 ok,
-                "scales {:?}",
-                t.iter().map(|k| k.scales).collect::<Vec<_>>()
+                "{what}: the AVX2 kernel declined scales {:?}",
+                scales(t)
+            );
+        }
+    }
+    let avx512 = crate::level::Verified::new(crate::SimdLevel::Avx512);
+    if avx512.ok().and_then(super::avx512::Vnni::detect).is_some() {
+        for t in ks.as_chunks::<16>().0 {
+            // SAFETY: the `Vnni` token means AVX-512 F/BW/VL and VNNI.
+            let ok = unsafe { super::avx512::tile16_accepted(q, &t.each_ref()) };
+            assert!(
+                ok,
+                "{what}: the VNNI kernel declined scales {:?}",
+                scales(t)
             );
         }
     }
@@ -95,24 +103,12 @@ fn realistic_keys_take_the_integer_kernel() {
 
 #[cfg(target_arch = "x86_64")]
 #[test]
-fn realistic_keys_take_the_vnni_kernel() {
-    let level = crate::level::Verified::new(crate::SimdLevel::Avx512);
-    if level.ok().and_then(super::avx512::Vnni::detect).is_none() {
-        return;
-    }
-    let mut r = StdRng::seed_from_u64(16);
-    for _ in 0..4 {
+fn realistic_keys_take_the_integer_kernels() {
+    let mut r = StdRng::seed_from_u64(15);
+    for i in 0..4 {
         let q = index_query(&mut r);
         let ks = keys(&mut r, 800);
-        for t in ks.as_chunks::<16>().0 {
-            // SAFETY: the `Vnni` token above means AVX-512 F/BW/VL and VNNI.
-            let ok = unsafe { super::avx512::tile16_accepted(&q, &t.each_ref()) };
-            assert!(
-                ok,
-                "scales {:?}",
-                t.iter().map(|k| k.scales).collect::<Vec<_>>()
-            );
-        }
+        assert_kernels_take(&q, &ks, &format!("query {i}"));
     }
 }
 
@@ -155,25 +151,7 @@ fn indexer_fast_path_is_exact_at_its_limits() {
             }
         }
         #[cfg(target_arch = "x86_64")]
-        if crate::SimdLevel::Avx2.is_available() {
-            for t in ks.as_chunks::<8>().0 {
-                // SAFETY: AVX2 and FMA were detected above.
-                let ok = unsafe { super::avx2::tile_accepted(&q, &t.each_ref()) };
-                assert!(ok, "q{qbase} k{kbase}: AVX2 kernel declined");
-            }
-        }
-        #[cfg(target_arch = "x86_64")]
-        if crate::level::Verified::new(crate::SimdLevel::Avx512)
-            .ok()
-            .and_then(super::avx512::Vnni::detect)
-            .is_some()
-        {
-            for t in ks.as_chunks::<16>().0 {
-                // SAFETY: the `Vnni` token means AVX-512 F/BW/VL and VNNI.
-                let ok = unsafe { super::avx512::tile16_accepted(&q, &t.each_ref()) };
-                assert!(ok, "q{qbase} k{kbase}: VNNI kernel declined");
-            }
-        }
+        assert_kernels_take(&q, &ks, &format!("q{qbase} k{kbase}"));
     }
 }
 
