@@ -20,7 +20,7 @@ use super::sparse::{KvRow, LOGIT_SCALE, Partial, Prep};
 use super::tile::{Row512, flat, flat_mut, zeroed};
 use crate::SimdLevel;
 use crate::level::Verified;
-use crate::x86::avx512::{ld_ps, st_ps};
+use crate::x86::avx512::{ld_ps, ld_si128, ld_si512, st_ps};
 
 /// Entries per tile, as in AVX2 (a multiple of the logit kernel's 12 rows).
 const TILE: usize = 48;
@@ -426,8 +426,12 @@ pub(crate) fn index_tile16(
     let Some(lim) = p.fast else {
         return false;
     };
-    let sc: [u32; KEY_LANES] = keys.map(|k| u32::from_le_bytes(k.scales));
-    let s = ld_u32x16(&sc);
+    // Lane e: key e's four scale bytes (little-endian u32).
+    let mut sc = [0u8; 4 * KEY_LANES];
+    for (d, k) in sc.chunks_exact_mut(4).zip(keys) {
+        d.copy_from_slice(&k.scales);
+    }
+    let s = ld_si512(&sc);
     let m = _mm512_set1_epi32(0xFF);
     let e = [
         _mm512_and_si512(s, m),
@@ -448,8 +452,12 @@ pub(crate) fn index_tile16(
     let sk = e.map(|x| _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_sub_epi32(x, two))));
 
     // Decoded keys: kb[b][g] = group g of block b of all sixteen keys.
-    let packed = transpose16(keys.map(|k| ld_values(&k.values)));
-    let lut = _mm512_broadcast_i32x4(ld_lut());
+    let packed = transpose16(keys.map(|k| ld_si512(&k.values)));
+    // The table in every 128-bit lane (its 32 bytes are two copies of the 16-entry table).
+    let lut = match super::avx2::KEY_LUT.first_chunk::<16>() {
+        Some(t) => _mm512_broadcast_i32x4(ld_si128(t)),
+        None => _mm512_setzero_si512(),
+    };
     let nib = _mm512_set1_epi8(0x0F);
     let mut kb = [[_mm512_setzero_si512(); 8]; 4];
     for (dw, v) in packed.iter().enumerate() {
@@ -498,31 +506,6 @@ pub(crate) fn index_tile16(
     }
     st_ps(out, total);
     true
-}
-
-/// The 64 packed value bytes of a key.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-fn ld_values(v: &[u8; 64]) -> __m512i {
-    // SAFETY: `v` is 64 readable bytes; `loadu` accepts any alignment.
-    unsafe { _mm512_loadu_si512(v.as_ptr().cast()) }
-}
-
-/// Sixteen u32.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-fn ld_u32x16(v: &[u32; 16]) -> __m512i {
-    // SAFETY: `v` is 16 readable u32 (64 bytes); `loadu` accepts any alignment.
-    unsafe { _mm512_loadu_si512(v.as_ptr().cast()) }
-}
-
-/// The key decode table (`2 * e2m1 + 12` by code) in one 128-bit lane.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-fn ld_lut() -> __m128i {
-    let lut = &super::avx2::KEY_LUT;
-    // SAFETY: `KEY_LUT` is 32 readable bytes, so its first 16 are; any alignment.
-    unsafe { _mm_loadu_si128(lut.as_ptr().cast()) }
 }
 
 /// `iters` iterations of 12 independent `vpdpbusd` chains (64 multiply-adds of 8-bit integers

@@ -50,14 +50,14 @@ pub(crate) fn st_ps(a: &mut [f32; 16], v: __m512) {
 
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-fn ld_si512(a: &[u8; 64]) -> __m512i {
+pub(crate) fn ld_si512(a: &[u8; 64]) -> __m512i {
     // SAFETY: `a` is 64 readable bytes; `loadu` accepts any alignment.
     unsafe { _mm512_loadu_si512(a.as_ptr().cast()) }
 }
 
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-fn ld_si128(a: &[u8; 16]) -> __m128i {
+pub(crate) fn ld_si128(a: &[u8; 16]) -> __m128i {
     // SAFETY: `a` is 16 readable bytes; `loadu` accepts any alignment.
     unsafe { _mm_loadu_si128(a.as_ptr().cast()) }
 }
