@@ -413,7 +413,7 @@ pub fn encode_record(
 }
 
 /// [`encode_record`] with the payload's checksum already computed (`payload_crc` must be
-/// [`crc32c`]`(payload)`), so that a writer can take it from whoever produced the payload
+/// [`crc32c()`]`(payload)`), so that a writer can take it from whoever produced the payload
 /// while the bytes were in cache. A wrong value is not trusted blindly: readers verify the
 /// payload against it, so such a record reads as damaged. Debug builds check it here.
 ///

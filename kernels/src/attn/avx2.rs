@@ -60,7 +60,7 @@ struct A32<T>(T);
 // Indexer: exact integer MXFP4 x MXFP4 dots, eight keys per tile.
 
 /// `2 * e2m1(code) + 12` (0..=24, as unsigned bytes) by 4-bit code, both 128-bit lanes: keys
-/// become the unsigned operand of `vpmaddubsw`; the `+ 12` is removed with [`Prepared::off`].
+/// become the unsigned operand of `vpmaddubsw`; the `+ 12` is removed with [`Prepared::offsq`].
 const fn key_lut() -> [u8; 32] {
     let mut t = [0u8; 32];
     let mut i = 0;

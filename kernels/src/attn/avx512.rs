@@ -346,11 +346,11 @@ pub(crate) fn attend(prep: &Prep<'_>, rows: &[KvRow<'_>], st: &mut Partial) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Indexer: the per-key head terms with AVX-512 VNNI.
+// Indexer: sixteen keys at a time with AVX-512 VNNI.
 
 /// Proof that this CPU has AVX-512 F/BW/VL and VNNI and that the AVX-512 level was chosen:
 /// only [`Vnni::detect`] makes one, so holding it is what the `unsafe` call of
-/// [`key_heads_vnni`] from the AVX2 indexer relies on.
+/// [`index_tile16`] from the AVX2 indexer's tile loop relies on.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Vnni(());
 
