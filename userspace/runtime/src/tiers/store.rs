@@ -1307,17 +1307,13 @@ impl SsdStore {
             if result.is_err() {
                 break;
             }
-            if next_submit > submitted {
-                // Hand the new reads to the kernel before checking and delivering a block
-                // (about 50 us each); `submit` only queues them. Never blocks.
-                let mut out = Vec::new();
-                if let Err(e) = ctx.engine.wait(0, &mut out) {
-                    result = Err(Error::tiers_io("block I/O failed on", "store", e));
-                    break;
-                }
-                for c in out {
-                    ready.insert(c.op.tag as usize, c);
-                }
+            // Hand the new reads to the kernel before checking and delivering a block (about
+            // 50 us each): `submit` only queues them. `wait(0)` never blocks.
+            if next_submit > submitted
+                && let Err(e) = collect_reads(ctx.engine.as_mut(), 0, &mut ready)
+            {
+                result = Err(e);
+                break;
             }
             if let Some(c) = ready.remove(&next_deliver) {
                 let (l, seg, tokens) = &plan[next_deliver];
@@ -1352,13 +1348,9 @@ impl SsdStore {
                 }
                 continue;
             }
-            let mut out = Vec::new();
-            if let Err(e) = ctx.engine.wait(1, &mut out) {
-                result = Err(Error::tiers_io("block I/O failed on", "store", e));
+            if let Err(e) = collect_reads(ctx.engine.as_mut(), 1, &mut ready) {
+                result = Err(e);
                 break;
-            }
-            for c in out {
-                ready.insert(c.op.tag as usize, c);
             }
         }
         // Reap what is still in flight before the buffers and engine are reused.
@@ -1805,6 +1797,23 @@ fn drop_block(st: &mut State, k: &Key) {
             st.children.remove(&b.parent);
         }
     }
+}
+
+/// Waits for at least `min` reads (0: only pushes queued ones to the kernel) and files every
+/// completed one under its plan index.
+fn collect_reads(
+    engine: &mut dyn BlockEngine,
+    min: usize,
+    ready: &mut HashMap<usize, Completion>,
+) -> Result<()> {
+    let mut out = Vec::new();
+    engine
+        .wait(min, &mut out)
+        .map_err(|e| Error::tiers_io("block I/O failed on", "store", e))?;
+    for c in out {
+        ready.insert(c.op.tag as usize, c);
+    }
+    Ok(())
 }
 
 /// Checks a completed block read: transfer, header, identity, location and payload CRC.
