@@ -320,7 +320,7 @@ fn score_tile<const N: usize>(
 ) {
     const L: usize = super::avx512::KEY_LANES;
     match vnni {
-        Some(_) if N.is_multiple_of(L) => {
+        Some(v) if N.is_multiple_of(L) => {
             for (k, o) in keys
                 .as_chunks::<L>()
                 .0
@@ -328,8 +328,13 @@ fn score_tile<const N: usize>(
                 .zip(out.as_chunks_mut::<L>().0)
             {
                 // SAFETY: a `Vnni` token exists only when this CPU has AVX-512 F/BW/VL and
-                // VNNI (`Vnni::detect`), which is what `index_tile16` is compiled for.
-                if !unsafe { super::avx512::index_tile16(&q.prep, k, o) } {
+                // VNNI (`Vnni::detect`), which is what `index_tile16` is compiled for; the
+                // fused kernel also needs VBMI, which `Vnni::vbmi` reports.
+                let done = unsafe {
+                    (v.vbmi() && super::avx512::index_tile16_fused(&q.prep, k, o))
+                        || super::avx512::index_tile16(&q.prep, k, o)
+                };
+                if !done {
                     for (x, key) in o.iter_mut().zip(k) {
                         *x = score_exact(q, key);
                     }
@@ -362,12 +367,52 @@ fn score8(q: &IndexQuery, keys: &[&IndexMxfp4Entry; 8]) -> [f32; 8] {
     s.0
 }
 
-/// Keys the gathering scan prefetches ahead of the one it scores: candidate blocks sit at
+/// Runs the gathering scan prefetches ahead of the one it scores: candidate blocks sit at
 /// random places in a large cache, so each one costs a DRAM latency unless requested early.
-const GATHER_AHEAD: usize = 24;
+/// Four runs of a pool block (8 keys) are about 0.6 us of scoring, several DRAM latencies.
+const GATHER_AHEAD_RUNS: usize = 4;
+
+/// The positions of a gathered scan as runs of consecutive stored keys: `(d, keys)` scores
+/// `keys` into `out[d..d + keys.len()]`. A candidate pool lists whole blocks of consecutive
+/// positions (spec §4), so a pool of 16,384 positions makes about 2,048 runs and the cache's
+/// page table is consulted once per run, not per key. Positions outside `0..visible` are
+/// skipped (their outputs are left alone).
+fn position_runs<'a>(
+    keys: Paged<'a, IndexMxfp4Entry>,
+    visible: usize,
+    positions: &[i32],
+) -> Vec<(usize, &'a [IndexMxfp4Entry])> {
+    let visible = visible.min(keys.len());
+    let valid = |p: i32| usize::try_from(p).ok().filter(|&p| p < visible);
+    let mut runs = Vec::with_capacity(positions.len() / super::POOL_BLOCK + 1);
+    let mut i = 0;
+    while let Some(&p) = positions.get(i) {
+        let Some(start) = valid(p) else {
+            i += 1;
+            continue;
+        };
+        // The run continues while positions step by one inside the visible range.
+        let mut len = 1;
+        while positions
+            .get(i + len)
+            .and_then(|&x| valid(x))
+            .is_some_and(|x| x == start + len)
+        {
+            len += 1;
+        }
+        runs.extend(
+            keys.runs(start..start + len)
+                .map(|(s, r)| (i + s - start, r)),
+        );
+        i += len;
+    }
+    runs
+}
 
 /// Scores the keys at `positions` into `out` (`out[i]` for `positions[i]`; positions outside
-/// `0..visible` are left alone), prefetching the keys `GATHER_AHEAD` places ahead in the list.
+/// `0..visible` are left alone): runs of consecutive positions ([`position_runs`]) are scored
+/// like a contiguous scan's, each run's cache lines prefetched [`GATHER_AHEAD_RUNS`] runs
+/// ahead.
 #[target_feature(enable = "avx2,fma")]
 pub(crate) fn score_positions(
     q: &IndexQuery,
@@ -377,45 +422,30 @@ pub(crate) fn score_positions(
     vnni: Option<Vnni>,
     out: &mut [f32],
 ) {
-    if vnni.is_some() {
-        score_positions_n::<{ super::avx512::KEY_LANES }>(q, keys, visible, positions, vnni, out);
-    } else {
-        score_positions_n::<8>(q, keys, visible, positions, vnni, out);
-    }
-}
-
-/// [`score_positions`] in tiles of `N` keys.
-#[target_feature(enable = "avx2,fma")]
-fn score_positions_n<const N: usize>(
-    q: &IndexQuery,
-    keys: Paged<'_, IndexMxfp4Entry>,
-    visible: usize,
-    positions: &[i32],
-    vnni: Option<Vnni>,
-    out: &mut [f32],
-) {
-    let key = |p: i32| {
-        usize::try_from(p)
-            .ok()
-            .filter(|&p| p < visible)
-            .and_then(|p| keys.get(p))
+    let runs = position_runs(keys, visible, positions);
+    let prefetch = |i: usize| {
+        if let Some((_, r)) = runs.get(i + GATHER_AHEAD_RUNS) {
+            let p = r.as_ptr().cast::<i8>();
+            let len = size_of_val(*r);
+            for off in (0..len)
+                .step_by(64)
+                .chain(std::iter::once(len.saturating_sub(1)))
+            {
+                // A prefetch never faults and has no effect visible to Rust; every address
+                // lies inside the run, computed with wrapping arithmetic.
+                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off));
+            }
+        }
     };
-    let mut carry = Carry::<N>::new(vnni);
-    for (i, &p) in positions.iter().enumerate() {
-        if let Some(&a) = positions.get(i + GATHER_AHEAD)
-            && let Some(k) = key(a)
-        {
-            let ptr = (k as *const IndexMxfp4Entry).cast::<i8>();
-            // A prefetch never faults and has no effect visible to Rust; both addresses lie
-            // within or just past the 68-byte key, computed with wrapping arithmetic.
-            _mm_prefetch::<_MM_HINT_T0>(ptr);
-            _mm_prefetch::<_MM_HINT_T0>(ptr.wrapping_add(IndexMxfp4Entry::BYTES - 1));
-        }
-        if let Some(k) = key(p) {
-            carry.push(q, i, k, out);
-        }
+    let listed = runs.iter().copied().enumerate().map(|(i, r)| {
+        prefetch(i);
+        r
+    });
+    if vnni.is_some() {
+        score_runs_n::<{ super::avx512::KEY_LANES }>(q, listed, false, vnni, out);
+    } else {
+        score_runs_n::<8>(q, listed, false, vnni, out);
     }
-    carry.flush(q, out);
 }
 
 /// Scores runs of consecutive keys, run `(d, keys)` into `out[d..d + keys.len()]`: whole tiles
@@ -429,17 +459,19 @@ pub(crate) fn score_runs<'a>(
     out: &mut [f32],
 ) {
     if vnni.is_some() {
-        score_runs_n::<{ super::avx512::KEY_LANES }>(q, runs, vnni, out);
+        score_runs_n::<{ super::avx512::KEY_LANES }>(q, runs, true, vnni, out);
     } else {
-        score_runs_n::<8>(q, runs, vnni, out);
+        score_runs_n::<8>(q, runs, true, vnni, out);
     }
 }
 
-/// [`score_runs`] in tiles of `N` keys.
+/// [`score_runs`] in tiles of `N` keys; `ahead` prefetches the memory past each tile (runs of
+/// a contiguous scan continue there; a gathered scan prefetches its next runs itself).
 #[target_feature(enable = "avx2,fma")]
 fn score_runs_n<'a, const N: usize>(
     q: &IndexQuery,
     runs: impl Iterator<Item = (usize, &'a [IndexMxfp4Entry])>,
+    ahead: bool,
     vnni: Option<Vnni>,
     out: &mut [f32],
 ) {
@@ -459,7 +491,7 @@ fn score_runs_n<'a, const N: usize>(
         let mut d = d0 + lead;
         for t in tiles {
             let p = t.as_ptr().cast::<i8>();
-            for off in (0..size_of_val(t)).step_by(64) {
+            for off in (0..size_of_val(t)).step_by(64).filter(|_| ahead) {
                 // A prefetch never faults and has no effect visible to Rust; the address may
                 // lie past the run, so it is computed with wrapping arithmetic.
                 _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(KEY_PREFETCH + off));

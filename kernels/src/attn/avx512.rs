@@ -15,12 +15,13 @@ use core::arch::x86_64::*;
 use super::{HEAD_DIM, INDEX_HEADS};
 use kvstack_firmware_interface::IndexMxfp4Entry;
 
-use super::index::Prepared;
+use super::index::{FUSED_KEY_OFFSET, FUSED_SPAN, Prepared};
 use super::sparse::{KvRow, LOGIT_SCALE, Partial, Prep};
 use super::tile::{Row512, flat, flat_mut, zeroed};
 use crate::SimdLevel;
 use crate::level::Verified;
 use crate::x86::avx512::{ld_ps, ld_si128, ld_si512, st_ps};
+use kvstack_firmware_interface::element::E2M1_TIMES_TWO_I8;
 
 /// Entries per tile, as in AVX2 (a multiple of the logit kernel's 12 rows).
 const TILE: usize = 48;
@@ -350,15 +351,25 @@ pub(crate) fn attend(prep: &Prep<'_>, rows: &[KvRow<'_>], st: &mut Partial) {
 
 /// Proof that this CPU has AVX-512 F/BW/VL and VNNI and that the AVX-512 level was chosen:
 /// only [`Vnni::detect`] makes one, so holding it is what the `unsafe` call of
-/// [`index_tile16`] from the AVX2 indexer's tile loop relies on.
+/// [`index_tile16`] from the AVX2 indexer's tile loop relies on; [`Vnni::vbmi`] says whether
+/// [`index_tile16_fused`] may be called too.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct Vnni(());
+pub(crate) struct Vnni {
+    vbmi: bool,
+}
 
 impl Vnni {
     /// A token if `level` is the AVX-512 level and the CPU has VNNI.
     pub(crate) fn detect(level: Verified) -> Option<Vnni> {
         (level.level() == SimdLevel::Avx512 && std::arch::is_x86_feature_detected!("avx512vnni"))
-            .then_some(Vnni(()))
+            .then(|| Vnni {
+                vbmi: std::arch::is_x86_feature_detected!("avx512vbmi"),
+            })
+    }
+
+    /// Whether the CPU also has AVX-512 VBMI (`vpermb`), which the fused kernel needs.
+    pub(crate) fn vbmi(self) -> bool {
+        self.vbmi
     }
 }
 
@@ -508,6 +519,112 @@ pub(crate) fn index_tile16(
     true
 }
 
+/// The fused kernel's key decoding table: entry `16 t + c` is `(2 * e2m1(c) << t) + 96` for a
+/// key block shifted by `t` (0..=3) exponents, an unsigned byte (at most 192).
+const fn fused_lut() -> [u8; 64] {
+    let mut t = [0u8; 64];
+    let mut i = 0;
+    while i < 64 {
+        let v = (E2M1_TIMES_TWO_I8[i % 16] as i32) << (i / 16);
+        t[i] = (v + FUSED_KEY_OFFSET) as u8;
+        i += 1;
+    }
+    t
+}
+static FUSED_LUT: [u8; 64] = fused_lut();
+
+/// Scores sixteen keys like [`index_tile16`] with one integer sum per head instead of one per
+/// head and block; `false` (nothing written) when the tile is outside the fused limits (a
+/// key spanning more than [`FUSED_SPAN`] exponents, `ekmin` outside [`super::index::FusedLimits`])
+/// or the fast path's, so the caller tries [`index_tile16`] next.
+///
+/// Each key block `b` is decoded with its shift `t_b = ek_b - ekmin` built in (a `vpermb` on
+/// the 64-entry [`FUSED_LUT`], the shift in bits 4-5 of each index), and the query's bytes
+/// carry their own shifts (`fq`), so `vpdpbusd` sums the whole head at one scale: 32 groups
+/// into 16 accumulators per pass of 16 heads, and no per-block conversion or scaling. The
+/// epilogue is `U = relu(f32(I)) * fw[h]` summed in head order, times `2^(ekmin - 129)`;
+/// [`super::index::FusedLimits`] says why these are the reference's bits.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma")]
+pub(crate) fn index_tile16_fused(
+    p: &Prepared,
+    keys: &[&IndexMxfp4Entry; KEY_LANES],
+    out: &mut [f32; KEY_LANES],
+) -> bool {
+    let (Some(lim), Some(fl)) = (p.fast, p.fused) else {
+        return false;
+    };
+    let mut sc = [0u8; 4 * KEY_LANES];
+    for (d, k) in sc.chunks_exact_mut(4).zip(keys) {
+        d.copy_from_slice(&k.scales);
+    }
+    let s = ld_si512(&sc);
+    let m = _mm512_set1_epi32(0xFF);
+    let e = [
+        _mm512_and_si512(s, m),
+        _mm512_and_si512(_mm512_srli_epi32::<8>(s), m),
+        _mm512_and_si512(_mm512_srli_epi32::<16>(s), m),
+        _mm512_srli_epi32::<24>(s),
+    ];
+    let emin = _mm512_min_epi32(_mm512_min_epi32(e[0], e[1]), _mm512_min_epi32(e[2], e[3]));
+    let emax = _mm512_max_epi32(_mm512_max_epi32(e[0], e[1]), _mm512_max_epi32(e[2], e[3]));
+    let span = _mm512_sub_epi32(emax, emin);
+    let bad = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(lim.kmin), emin)
+        | _mm512_cmpgt_epi32_mask(emax, _mm512_set1_epi32(lim.kmax))
+        | _mm512_cmpgt_epi32_mask(span, _mm512_set1_epi32(lim.kspan.min(FUSED_SPAN)))
+        | _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(fl.lo), emin)
+        | _mm512_cmpgt_epi32_mask(emin, _mm512_set1_epi32(fl.hi));
+    if bad != 0 {
+        return false;
+    }
+    // Per block, the shift's table offset 16 t_b in all four bytes of each key's lane.
+    let bytes = _mm512_set1_epi32(0x0101_0101);
+    let shift =
+        e.map(|x| _mm512_mullo_epi32(_mm512_slli_epi32::<4>(_mm512_sub_epi32(x, emin)), bytes));
+    let packed = transpose16(keys.map(|k| ld_si512(&k.values)));
+    let lut = ld_si512(&FUSED_LUT);
+    let nib = _mm512_set1_epi8(0x0F);
+    // kv[2 dw + n]: nibbles n (0 low, 1 high) of packed vector dw = group 8b + g.
+    let mut kv = [_mm512_setzero_si512(); 32];
+    for (dw, v) in packed.iter().enumerate() {
+        let t = shift[dw / 4];
+        // (x & 0x0F) | t: ternary-logic truth table 0xEA.
+        let lo = _mm512_ternarylogic_epi32::<0xEA>(*v, nib, t);
+        let hi = _mm512_ternarylogic_epi32::<0xEA>(_mm512_srli_epi16::<4>(*v), nib, t);
+        kv[2 * dw] = _mm512_permutexvar_epi8(lo, lut);
+        kv[2 * dw + 1] = _mm512_permutexvar_epi8(hi, lut);
+    }
+    let zero = _mm512_setzero_ps();
+    let mut total = zero;
+    for hc in 0..INDEX_HEADS / 16 {
+        let heads = 16 * hc..16 * hc + 16;
+        let (fq, foff, fw) = (&p.fq[heads.clone()], &p.foff[heads.clone()], &p.fw[heads]);
+        let mut acc: [__m512i; 16] = std::array::from_fn(|i| _mm512_set1_epi32(foff[i]));
+        for (g, kg) in kv.iter().enumerate() {
+            for (a, q) in acc.iter_mut().zip(fq) {
+                *a = _mm512_dpbusd_epi32(*a, *kg, _mm512_set1_epi32(q[g] as i32));
+            }
+        }
+        for (i, (a, w)) in acc.iter().zip(fw).enumerate() {
+            let u = _mm512_mul_ps(
+                _mm512_max_ps(_mm512_cvtepi32_ps(*a), zero),
+                _mm512_set1_ps(*w),
+            );
+            total = if hc == 0 && i == 0 {
+                u
+            } else {
+                _mm512_add_ps(total, u)
+            };
+        }
+    }
+    // 2^(ekmin - 129) (ekmin >= 3: a normal power of two).
+    let unit = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_sub_epi32(
+        emin,
+        _mm512_set1_epi32(2),
+    )));
+    st_ps(out, _mm512_mul_ps(total, unit));
+    true
+}
+
 /// `iters` iterations of 12 independent `vpdpbusd` chains (64 multiply-adds of 8-bit integers
 /// each): the integer peak of the VNNI indexer kernel, for the benchmark.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
@@ -537,6 +654,24 @@ pub(crate) fn int8_peak_vnni(iters: u64, seed: i32) -> i32 {
 pub(crate) fn tile16_accepted(q: &super::IndexQuery, keys: &[&IndexMxfp4Entry; KEY_LANES]) -> bool {
     let mut out = [0f32; KEY_LANES];
     index_tile16(&q.prep, keys, &mut out)
+}
+
+/// Whether the fused kernel accepts a tile (`None` without VBMI).
+///
+/// # Safety
+///
+/// The CPU must have AVX-512 F/BW/VL and VNNI.
+#[cfg(test)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+pub(crate) fn tile16_fused_accepted(
+    v: Vnni,
+    q: &super::IndexQuery,
+    keys: &[&IndexMxfp4Entry; KEY_LANES],
+) -> Option<bool> {
+    let mut out = [0f32; KEY_LANES];
+    // SAFETY: `v.vbmi()` adds the VBMI the fused kernel needs to what the caller promises.
+    v.vbmi()
+        .then(|| unsafe { index_tile16_fused(&q.prep, keys, &mut out) })
 }
 
 #[cfg(test)]

@@ -68,6 +68,49 @@ pub(crate) struct Prepared {
     pub(crate) ksq: [[f32; 4]; INDEX_HEADS],
     /// The head weights, one per head.
     pub(crate) kw: [f32; INDEX_HEADS],
+    /// The query for the fused VNNI kernel (one integer sum per head over all four blocks,
+    /// [`super::avx512`]): `fq[h][8b + g]` is `kq[h][b][g]` with every byte shifted left by
+    /// `eq_b - min_b(eq_b)` of head `h` (at most [`FUSED_SPAN`], so `|byte| <= 96`).
+    pub(crate) fq: [[u32; 32]; INDEX_HEADS],
+    /// `foff[h]`: `-FUSED_KEY_OFFSET * sum` of head `h`'s shifted bytes, the accumulator's
+    /// start (it removes the offset of the decoded keys).
+    pub(crate) foff: [i32; INDEX_HEADS],
+    /// `fw[h]`: `w[h] * 2^(min_b(eq_b) - 127)` (exact).
+    pub(crate) fw: [f32; INDEX_HEADS],
+    /// Smallest key scale bytes the fused kernel accepts for this query; `None` if it cannot
+    /// serve the query at all (see [`FusedLimits`]).
+    pub(crate) fused: Option<FusedLimits>,
+}
+
+/// Largest spread of the four scale exponents of one query head, or of one key, that the
+/// fused VNNI kernel folds into its 8-bit operands: `2 * e2m1` is at most 12 in magnitude, so
+/// shifted by 3 it still fits a signed byte (96), and a key's `(2k << 3) + 96` an unsigned one.
+pub(crate) const FUSED_SPAN: i32 = 3;
+
+/// What the fused kernel adds to every shifted key value (`2k << t`, `|.| <= 96`) to make it
+/// an unsigned byte for `vpdpbusd`.
+pub(crate) const FUSED_KEY_OFFSET: i32 = 96;
+
+/// Bounds on the smallest scale byte `ekmin` of each key of a tile for the fused kernel,
+/// beyond the fast path's ([`FastLimits`]).
+///
+/// # Why the fused result is bit-identical
+///
+/// Under the fast path's conditions a head's dot `d` is exact in f32 and equals `I * u` with
+/// `I` the integer the fused kernel sums (`sum_b I_b * 2^(s_b + t_b)`, `|I| < 2^21`, exactly
+/// converted) and `u = 2^(eqmin + ekmin - 256)`. The reference rounds `T = w * relu(d)` and
+/// sums the `T` in head order; the kernel rounds `U = relu(I) * fw` (`fw = w * 2^(eqmin -
+/// 127)`, exact) and sums the `U` in the same order, then multiplies by `2^(ekmin - 129)`.
+/// Scaling by a power of two commutes with every rounding as long as no rounded value is
+/// subnormal or infinite in either domain (a sum that cancels into the subnormal range is
+/// exact in both). The bounds keep every nonzero `T` and `U` within `[2^-126, 2^120)`:
+/// `U` through a per-query check of `fw`, `T` through `ekmin` in `lo..=hi`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct FusedLimits {
+    /// Smallest allowed `ekmin`.
+    pub(crate) lo: i32,
+    /// Largest allowed `ekmin`.
+    pub(crate) hi: i32,
 }
 
 /// Element (0..128) of byte `j` of group `g` (0..8) of block `b` in the VNNI kernel's decode
@@ -127,6 +170,10 @@ impl Prepared {
             koff: [[0; 4]; INDEX_HEADS],
             ksq: [[0.0; 4]; INDEX_HEADS],
             kw: *weights,
+            fq: [[0; 32]; INDEX_HEADS],
+            foff: [0; INDEX_HEADS],
+            fw: [0.0; INDEX_HEADS],
+            fused: None,
         };
         let (mut qmin, mut qmax, mut qspan) = (255i32, 0i32, 0i32);
         for (h, q) in heads.iter().enumerate() {
@@ -168,8 +215,56 @@ impl Prepared {
                 kmax: (368 - qmax).min(254),
                 kspan: 10 - qspan,
             });
+            p.fused = p.prepare_fused(heads, weights);
         }
         p
+    }
+
+    /// Fills the fused kernel's query (`fq`, `foff`, `fw`) and returns its limits, or `None`
+    /// when a head spans more than [`FUSED_SPAN`] exponents or a weight is outside the range
+    /// the exactness argument of [`FusedLimits`] covers.
+    fn prepare_fused(
+        &mut self,
+        heads: &[IndexMxfp4Entry; INDEX_HEADS],
+        weights: &[f32; INDEX_HEADS],
+    ) -> Option<FusedLimits> {
+        let (mut lo, mut hi) = (i32::MIN, i32::MAX);
+        for (h, (q, &w)) in heads.iter().zip(weights).enumerate() {
+            let e = q.scales.map(i32::from);
+            let emin = e.iter().copied().min()?;
+            if e.iter().any(|&x| x - emin > FUSED_SPAN) || !(w == 0.0 || w.is_normal()) {
+                return None;
+            }
+            let mut sum = 0i32;
+            for (b, &eb) in e.iter().enumerate() {
+                let shift = eb - emin;
+                for g in 0..8 {
+                    let v: [u8; 4] = std::array::from_fn(|j| {
+                        let x = i32::from(x2(q, key_lane_element(b, g, j))) << shift;
+                        sum += x;
+                        x as i8 as u8
+                    });
+                    self.fq[h][8 * b + g] = u32::from_le_bytes(v);
+                }
+            }
+            self.foff[h] = -FUSED_KEY_OFFSET * sum;
+            if w == 0.0 {
+                self.fw[h] = w;
+                continue;
+            }
+            // `a`: the exponent of |w| (w is normal), so 2^a <= |w| < 2^(a + 1).
+            let a = ((w.to_bits() >> 23) & 0xFF) as i32 - 127;
+            // U = relu(I) * fw with 1 <= |I| < 2^21: 2^(a + emin - 127) <= |U| < 2^(a + emin
+            // - 105), inside [2^-126, 2^120].
+            if a + emin < 1 || a + emin > 225 {
+                return None;
+            }
+            self.fw[h] = w * f32::from_bits(((emin) as u32) << 23);
+            // T = U * 2^(ekmin - 129): the same bounds for T.
+            lo = lo.max(130 - a - emin);
+            hi = hi.min(354 - a - emin);
+        }
+        (lo <= hi).then_some(FusedLimits { lo, hi })
     }
 }
 

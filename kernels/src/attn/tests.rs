@@ -72,9 +72,10 @@ fn indexer_scan_is_bit_identical_to_the_reference() {
 }
 
 /// Asserts that every integer kernel this CPU can run takes every whole tile of `ks` (none
-/// falls back to the exact path), so that the bit-identity checks exercise the kernels.
+/// falls back to the exact path), so that the bit-identity checks exercise the kernels; the
+/// fused VNNI kernel must take them too when `fused` (and decline them otherwise).
 #[cfg(target_arch = "x86_64")]
-fn assert_kernels_take(q: &IndexQuery, ks: &[IndexMxfp4Entry], what: &str) {
+fn assert_kernels_take(q: &IndexQuery, ks: &[IndexMxfp4Entry], what: &str, fused: bool) {
     let scales = |t: &[IndexMxfp4Entry]| t.iter().map(|k| k.scales).collect::<Vec<_>>();
     if crate::SimdLevel::Avx2.is_available() {
         for t in ks.as_chunks::<8>().0 {
@@ -88,13 +89,21 @@ fn assert_kernels_take(q: &IndexQuery, ks: &[IndexMxfp4Entry], what: &str) {
         }
     }
     let avx512 = crate::level::Verified::new(crate::SimdLevel::Avx512);
-    if avx512.ok().and_then(super::avx512::Vnni::detect).is_some() {
+    if let Some(v) = avx512.ok().and_then(super::avx512::Vnni::detect) {
         for t in ks.as_chunks::<16>().0 {
             // SAFETY: the `Vnni` token means AVX-512 F/BW/VL and VNNI.
             let ok = unsafe { super::avx512::tile16_accepted(q, &t.each_ref()) };
             assert!(
                 ok,
                 "{what}: the VNNI kernel declined scales {:?}",
+                scales(t)
+            );
+            // SAFETY: as above.
+            let took = unsafe { super::avx512::tile16_fused_accepted(v, q, &t.each_ref()) };
+            assert!(
+                took.is_none_or(|t| t == fused),
+                "{what}: the fused VNNI kernel {} scales {:?}",
+                if fused { "declined" } else { "took" },
                 scales(t)
             );
         }
@@ -108,7 +117,7 @@ fn realistic_keys_take_the_integer_kernels() {
     for i in 0..4 {
         let q = index_query(&mut r);
         let ks = keys(&mut r, 800);
-        assert_kernels_take(&q, &ks, &format!("query {i}"));
+        assert_kernels_take(&q, &ks, &format!("query {i}"), true);
     }
 }
 
@@ -151,7 +160,135 @@ fn indexer_fast_path_is_exact_at_its_limits() {
             }
         }
         #[cfg(target_arch = "x86_64")]
-        assert_kernels_take(&q, &ks, &format!("q{qbase} k{kbase}"));
+        assert_kernels_take(&q, &ks, &format!("q{qbase} k{kbase}"), false);
+    }
+}
+
+/// Whether the bounds of [`index::FusedLimits`] hold for weights `w`, the heads' smallest
+/// scale bytes `eqmin` and a key's smallest scale byte `ekmin` (`None`: any key), checked in
+/// f64 from the definitions: for every head with `w != 0`, the smallest and largest possible
+/// `|U| = |w| 2^(eqmin - 127) |I|` and `|T| = |U| 2^(ekmin - 129)` (`1 <= |I| < 2^21`, `|w|`
+/// rounded out to powers of two) lie in `[2^-126, 2^120]`.
+fn fused_bounds_hold(
+    w: &[f32; INDEX_HEADS],
+    eqmin: &[i32; INDEX_HEADS],
+    ekmin: Option<i32>,
+) -> bool {
+    let inside = |lo: f64, hi: f64| lo >= 2f64.powi(-126) && hi <= 2f64.powi(120);
+    w.iter()
+        .zip(eqmin)
+        .filter(|(w, _)| **w != 0.0)
+        .all(|(&w, &eq)| {
+            let a = f64::from(w).abs().log2().floor() as i32;
+            let u = |e: i32| 2f64.powi(a + eq - 127 + e);
+            let k = ekmin.map_or(0, |k| k - 129);
+            inside(u(0), u(22)) && inside(u(k), u(22 + k))
+        })
+}
+
+/// The fused VNNI kernel at the edges of its limits: query heads and keys spanning exactly
+/// [`index::FUSED_SPAN`] exponents (and one more), the largest products, weights that put the
+/// smallest or largest possible terms on the bounds of [`index::FusedLimits`], and keys whose
+/// smallest scale byte sits on each bound and one step outside (the bounds found here from
+/// the definitions, [`fused_bounds_hold`]). Every level gives the reference's bits, and the
+/// fused kernel takes exactly the tiles inside its limits.
+#[test]
+fn fused_indexer_kernel_is_exact_at_its_limits() {
+    let mut r = StdRng::seed_from_u64(23);
+    let six = 0x77u8;
+    let cases = [
+        (100u8, 3u8, -20i32),
+        (100, 3, 60),
+        (10, 3, 0),
+        (200, 3, -30),
+        (40, 3, -90),
+        (10, 3, -9),
+        (10, 3, -10),
+        (200, 3, 25),
+        (200, 3, 26),
+        (100, 4, 0),
+    ];
+    for (qbase, qspan, wexp) in cases {
+        let heads: [IndexMxfp4Entry; INDEX_HEADS] = std::array::from_fn(|h| {
+            let mut e = IndexMxfp4Entry::new_zeroed();
+            for (i, v) in e.values.iter_mut().enumerate() {
+                *v = if (h + i / 16) % 5 == 0 { 0xFF } else { six };
+            }
+            let mut sc = [qbase, qbase + qspan, qbase + 1, qbase + 2];
+            sc.rotate_left(h % 4);
+            e.scales = sc;
+            e
+        });
+        let w: [f32; INDEX_HEADS] = std::array::from_fn(|h| match h % 7 {
+            3 => 0.0,
+            5 => -(1.0 + r.random::<f32>()) * 2f32.powi(wexp),
+            _ => (1.0 + r.random::<f32>()) * 2f32.powi(wexp),
+        });
+        let eqmin = [i32::from(qbase); INDEX_HEADS];
+        let q = IndexQuery::new(&heads, &w);
+        let what = format!("q{qbase}+{qspan} w2^{wexp}");
+        let Some(fast) = q.prep.fast else {
+            panic!("{what}: no fast path");
+        };
+        // Smallest key scale bytes the bounds allow (and the fast path, for span-3 keys).
+        let ok = |k: i32| {
+            k >= fast.kmin
+                && k + index::FUSED_SPAN <= fast.kmax
+                && fused_bounds_hold(&w, &eqmin, Some(k))
+        };
+        let allowed: Vec<i32> = (1..=254).filter(|&k| ok(k)).collect();
+        let query_ok = i32::from(qspan) <= index::FUSED_SPAN
+            && fused_bounds_hold(&w, &eqmin, None)
+            && !allowed.is_empty();
+        assert_eq!(q.prep.fused.is_some(), query_ok, "{what}: fused path");
+        let (lo, hi) = match (allowed.first(), allowed.last()) {
+            (Some(&lo), Some(&hi)) => (lo, hi),
+            _ => (120, 120),
+        };
+        let mut ks = Vec::new();
+        let mut expect = Vec::new();
+        for ekmin in [lo - 1, lo, lo + 1, hi - 1, hi, hi + 1] {
+            for span in [index::FUSED_SPAN, index::FUSED_SPAN + 1] {
+                if ekmin < 1 || ekmin + span > 254 {
+                    continue;
+                }
+                expect.push(query_ok && ok(ekmin) && span <= index::FUSED_SPAN);
+                for k in 0..16 {
+                    let mut e = IndexMxfp4Entry::new_zeroed();
+                    for (i, v) in e.values.iter_mut().enumerate() {
+                        *v = if (k + i) % 7 == 0 { 0xFF } else { six };
+                    }
+                    let mut sc = [ekmin, ekmin + span, ekmin + 1, ekmin + 2].map(|x| x as u8);
+                    sc.rotate_left(k % 4);
+                    e.scales = sc;
+                    ks.push(e);
+                }
+            }
+        }
+        let want = indexer_scores_ref(q.heads(), q.weights(), &ks, ks.len());
+        for level in available_levels() {
+            let mut got = vec![0f32; ks.len()];
+            indexer_scores_with(level, &q, Paged::contiguous(&ks), ks.len(), 1, &mut got).unwrap();
+            for (s, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(g.to_bits(), w.to_bits(), "{level} {what} s{s}: {g} vs {w}");
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            let avx512 = crate::level::Verified::new(crate::SimdLevel::Avx512);
+            if let Some(v) = avx512.ok().and_then(super::avx512::Vnni::detect) {
+                for (t, &e) in ks.as_chunks::<16>().0.iter().zip(&expect) {
+                    // SAFETY: the `Vnni` token means AVX-512 F/BW/VL and VNNI.
+                    let took =
+                        unsafe { super::avx512::tile16_fused_accepted(v, &q, &t.each_ref()) };
+                    assert!(
+                        took.is_none_or(|t| t == e),
+                        "{what}: fused kernel on scales {:?}: took {took:?}, expected {e}",
+                        t[0].scales
+                    );
+                }
+            }
+        }
     }
 }
 
@@ -188,15 +325,27 @@ fn indexer_candidates_match_the_scan() {
     let ks = keys(&mut r, 1000);
     let visible = 990;
     let full = indexer_scores_ref(q.heads(), q.weights(), &ks, visible);
-    let mut positions: Vec<i32> = (0..1200).step_by(3).collect();
-    positions.push(-1);
+    let mut spread: Vec<i32> = (0..1200).step_by(3).collect();
+    spread.push(-1);
+    // Pool-like blocks of 8: across a page boundary (pages of 100), twice the same block, one
+    // across the visible end, one broken by a -1, one past the end, one descending, and a
+    // block right after another so that their runs join.
+    let mut blocks: Vec<i32> = Vec::new();
+    for start in [96, 0, 96, 984, 500, 1000, 200, 208, 3000] {
+        blocks.extend(start..start + 8);
+    }
+    blocks[4 * 8 + 3] = -1;
+    blocks.extend((40..48).rev());
     let pages: Vec<&[IndexMxfp4Entry]> = ks.chunks(100).collect();
     let paged = Paged::pages(&pages, 100).unwrap();
-    for level in available_levels() {
+    for (level, positions) in available_levels()
+        .into_iter()
+        .flat_map(|l| [(l, &spread), (l, &blocks)])
+    {
         for threads in [1, 2] {
             let mut got = vec![0f32; positions.len()];
             let res =
-                indexer_scores_at_with(level, &q, paged, visible, &positions, threads, &mut got);
+                indexer_scores_at_with(level, &q, paged, visible, positions, threads, &mut got);
             res.unwrap();
             for (&p, g) in positions.iter().zip(&got) {
                 let w = usize::try_from(p)
