@@ -295,7 +295,11 @@ impl<'a, const N: usize> Carry<'a, N> {
         let Some(first) = self.keys[0].1 else {
             return;
         };
-        let keys = self.keys.map(|(_, k)| k.unwrap_or(first));
+        // A loop rather than `self.keys.map(..)`, which rustc left out of line.
+        let mut keys = [first; N];
+        for (k, (_, held)) in keys.iter_mut().zip(&self.keys) {
+            *k = held.unwrap_or(first);
+        }
         let mut s = [0f32; N];
         score_tile(q, &keys, self.vnni, &mut s);
         for ((d, _), &v) in self.keys.iter().zip(&s).take(n) {

@@ -9,7 +9,7 @@
 //! |---|---|
 //! | `attention` | sparse attention alone: 128 FP8 window + 512 FP4 entries, warm; timed over 8 back-to-back calls |
 //! | `reuse` | a Reuse layer: the same with a top-k drawn from a 1M-entry global cache |
-//! | `reindex` | a Reindex layer: scores of a 16,384-position pool, top-512, attention |
+//! | `reindex` | a Reindex layer: scores of a 16,384-position pool, top-512, attention; part `read` reads the cache lines of another such pool and nothing else (the memory floor of this access pattern) |
 //! | `full-131k`, `full-1M` | the Full layer 20: scan of all entries, top-512, the pool |
 //! | `plain-8k` | plain attention (64 heads over 8,192 FP4 entries), for other engines |
 //!
@@ -308,6 +308,32 @@ fn on_threads(threads: usize, f: impl Fn(usize) + Sync) {
     });
 }
 
+/// Reads every cache line of the pool's keys (blocks of [`POOL_BLOCK`] consecutive
+/// positions), the blocks split between `threads` threads: what a gathered scan must fetch,
+/// with nothing else to do, so the floor of the Reindex scan's time for this access pattern.
+fn read_pool(keys: Paged<'_, IndexMxfp4Entry>, pool: &[i32], threads: usize) -> u64 {
+    let blocks: Vec<&[i32]> = pool.chunks(POOL_BLOCK).collect();
+    let per = blocks.len().div_ceil(threads.max(1)).max(1);
+    let total = std::sync::atomic::AtomicU64::new(0);
+    on_threads(threads, |i| {
+        let mut sum = 0u64;
+        for b in blocks.iter().skip(i * per).take(per) {
+            let Some(start) = b.first().and_then(|&p| usize::try_from(p).ok()) else {
+                continue;
+            };
+            for (_, run) in keys.runs(start..start + b.len()) {
+                let bytes = run.as_bytes();
+                for off in (0..bytes.len()).step_by(64) {
+                    sum += u64::from(bytes.get(off).copied().unwrap_or(0));
+                }
+                sum += u64::from(bytes.last().copied().unwrap_or(0));
+            }
+        }
+        total.fetch_add(sum, std::sync::atomic::Ordering::Relaxed);
+    });
+    total.into_inner()
+}
+
 fn read_sum(level: Verified, bytes: &[u8]) -> u64 {
     match level.level() {
         #[cfg(target_arch = "x86_64")]
@@ -486,6 +512,8 @@ enum Kind {
     Mixed { index_flops: u64 },
     /// Selection only.
     Select,
+    /// Memory reads only (held to the read bandwidth).
+    Read,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -636,6 +664,7 @@ pub fn run_attention_bench(
         .map(|_| random_selection(&mut rng, n_max, TOPK))
         .collect();
     let pools: Vec<Vec<i32>> = (0..=reps).map(|_| random_pool(&mut rng, n_max)).collect();
+    let read_pools: Vec<Vec<i32>> = (0..=reps).map(|_| random_pool(&mut rng, n_max)).collect();
     let runs = [&window[..]];
     let sel_all: Vec<i32> = (0..TOPK as i32).collect();
     let plain_n = 8192usize;
@@ -779,6 +808,22 @@ pub fn run_attention_bench(
             idx_bytes,
             idx_flops,
             Kind::Index,
+            None,
+        ));
+        // The same access pattern without the scoring: the memory floor of the scan.
+        let (tm, lo) = pr.time(reps, |i| {
+            let pool = read_pools.get(i).map_or(&read_pools[0][..], |p| &p[..]);
+            black_box(read_pool(keys, pool, t));
+        });
+        results.push(row(
+            "reindex",
+            "read",
+            &lim,
+            lo,
+            tm,
+            idx_bytes,
+            0,
+            Kind::Read,
             None,
         ));
         results.push(row(
