@@ -17,7 +17,8 @@
 //! [`SimdLevel::Avx512`] (AVX-512 F/BW/VL) on x86-64, chosen at run time with
 //! `is_x86_feature_detected!` (never from `-C target-cpu`). The codecs, fused dots and
 //! attention kernels ([`attn`]) have a kernel per level (the indexer's AVX-512 form is its AVX2
-//! kernel with VNNI products where the CPU has AVX-512 VNNI).
+//! kernel with VNNI products where the CPU has AVX-512 VNNI, and one integer sum per head where
+//! it also has VBMI and the exponent spans allow).
 //!
 //! # Example
 //!

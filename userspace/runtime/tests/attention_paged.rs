@@ -1,6 +1,8 @@
 //! The attention layer over the paged KV cache at the deployed widths (512-wide FP8 window
 //! rows and FP4 entries, 128-wide MXFP4 keys, 64 rotary dims) gives the same bits as over the
-//! in-memory store, through prefill chunks and decode steps that wrap the window ring.
+//! in-memory store, through prefill chunks and decode steps that wrap the window ring; with 2
+//! index heads (the exact per-key scorer) and with the deployed 32 (the integer scan over the
+//! cache's pages in place, and a Reindex layer scoring only its candidate pool unless traced).
 
 // Test code: a failed unwrap is a failed test (the workspace denies these in library code).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -8,7 +10,7 @@
 use kvstack_driver::pinned::{HugePages, Locking, PinnedOptions};
 use kvstack_runtime::attention::{
     AttentionDims, AttentionWeights, CompressorWeights, Csa2Attention, IndexKeyWeights,
-    IndexerWeights, KvStore, LayerWeights, PagedStore, StepState,
+    IndexerWeights, KvStore, LayerTrace, LayerWeights, PagedStore, StepState,
 };
 use kvstack_runtime::cache::{CacheOptions, KvCache};
 use kvstack_runtime::plan::LayerMode;
@@ -55,8 +57,12 @@ impl Lcg {
     }
 }
 
-fn model() -> (ModelConfig, Csa2Attention) {
-    let cfg = ModelConfig::from_json_str(CONFIG).unwrap();
+fn model(index_heads: usize) -> (ModelConfig, Csa2Attention) {
+    let config = CONFIG.replace(
+        r#""index_n_heads": 2"#,
+        &format!(r#""index_n_heads": {index_heads}"#),
+    );
+    let cfg = ModelConfig::from_json_str(&config).unwrap();
     let plan = LayerPlan::from_config(&cfg).unwrap();
     let d = AttentionDims::from_config(&cfg, &plan).unwrap();
     let mut r = Lcg(41);
@@ -91,12 +97,14 @@ fn model() -> (ModelConfig, Csa2Attention) {
     (cfg, attn)
 }
 
-/// Runs `steps` (token counts) through `store`; returns every output and top-k row.
+/// Runs `steps` (token counts) through `store`, tracing every layer when `traced`; returns
+/// every output and top-k row.
 fn run(
     attn: &Csa2Attention,
     store: &mut dyn KvStore,
     inputs: &[Vec<f32>],
     steps: &[usize],
+    traced: bool,
 ) -> (Vec<Vec<f32>>, Vec<Vec<i32>>) {
     let d = attn.dims();
     let layers = attn.plan().layers.len();
@@ -107,7 +115,9 @@ fn run(
         let mut step = StepState::new(n);
         for (l, input) in inputs.iter().enumerate() {
             let x = &input[start * d.hidden..(start + n) * d.hidden];
-            outs[l].extend(attn.forward(l, store, &mut step, x, None).unwrap());
+            let mut trace = LayerTrace::default();
+            let tr = traced.then_some(&mut trace);
+            outs[l].extend(attn.forward(l, store, &mut step, x, tr).unwrap());
             if let Some(tk) = step.topk() {
                 topk[l].extend_from_slice(&tk.rows);
             }
@@ -120,7 +130,13 @@ fn run(
 
 #[test]
 fn paged_cache_store_equals_the_contiguous_store() {
-    let (cfg, attn) = model();
+    for index_heads in [2, 32] {
+        paged_equals_contiguous(index_heads);
+    }
+}
+
+fn paged_equals_contiguous(index_heads: usize) {
+    let (cfg, attn) = model(index_heads);
     let d = attn.dims().clone();
     let layers = attn.plan().layers.len();
     let mut r = Lcg(7);
@@ -132,7 +148,17 @@ fn paged_cache_store_equals_the_contiguous_store() {
     let inputs: Vec<Vec<f32>> = (0..layers).map(|_| r.vec(total * d.hidden, 1.0)).collect();
 
     let mut contiguous = attn.new_store(None);
-    let (want, want_topk) = run(&attn, &mut contiguous, &inputs, &steps);
+    let (want, want_topk) = run(&attn, &mut contiguous, &inputs, &steps, false);
+    // Traced, the Reindex layer scores every key instead of its pool: same selections, bits.
+    let (traced, traced_topk) = run(&attn, &mut attn.new_store(None), &inputs, &steps, true);
+    assert_eq!(
+        traced_topk, want_topk,
+        "{index_heads} index heads: traced top-k"
+    );
+    assert!(
+        traced == want,
+        "{index_heads} index heads: traced outputs differ"
+    );
 
     let options = CacheOptions {
         context_limit: 1024,
@@ -167,9 +193,12 @@ fn paged_cache_store_equals_the_contiguous_store() {
             paged.commit(n as u64).unwrap();
             start += n;
         }
-        assert_eq!(topk, want_topk);
+        assert_eq!(topk, want_topk, "{index_heads} index heads");
         for l in 0..layers {
-            assert!(outs[l] == want[l], "layer {l}: paged store output differs");
+            assert!(
+                outs[l] == want[l],
+                "{index_heads} index heads, layer {l}: paged store output differs"
+            );
         }
         assert_eq!(paged.len(), total as u64);
     }

@@ -550,6 +550,49 @@ impl Csa2Attention {
         width: usize,
         key: &dyn Fn(u64) -> Option<&'k [u8]>,
     ) -> Result<Vec<f32>, Error> {
+        self.index_scores_of(
+            layer,
+            q_rows,
+            weights,
+            positions,
+            width,
+            IndexKeys::Rows(key),
+        )
+    }
+
+    /// [`Csa2Attention::index_scores`] with the keys given as byte runs in position order
+    /// ([`KvStore::index_key_runs`]), which the integer scan reads in place.
+    ///
+    /// # Errors
+    /// As [`Csa2Attention::index_scores`].
+    pub fn index_scores_in_runs(
+        &self,
+        layer: usize,
+        q_rows: &[u8],
+        weights: &[f32],
+        positions: &[u64],
+        width: usize,
+        runs: &[&[u8]],
+    ) -> Result<Vec<f32>, Error> {
+        self.index_scores_of(
+            layer,
+            q_rows,
+            weights,
+            positions,
+            width,
+            IndexKeys::Runs(runs),
+        )
+    }
+
+    fn index_scores_of(
+        &self,
+        layer: usize,
+        q_rows: &[u8],
+        weights: &[f32],
+        positions: &[u64],
+        width: usize,
+        keys: IndexKeys<'_, '_>,
+    ) -> Result<Vec<f32>, Error> {
         let (spec, _, _) = self.spec(layer)?;
         let d = &self.dims;
         let Some(codec) = self.key_codec else {
@@ -573,17 +616,34 @@ impl Csa2Attention {
             && codec.bytes() == IndexMxfp4Entry::BYTES
             && width > 0
         {
+            let held = KeyPages::new(layer, &keys, width)?;
+            let pages = held.pages();
+            let paged = fast::Paged::pages(&pages, held.page).map_err(|e| Error::State {
+                layer,
+                reason: format!("index keys: {e}"),
+            })?;
             self.index_scores_fast(
                 layer,
                 spec.compress_ratio,
                 q_rows,
                 weights,
                 positions,
-                key,
+                paged,
                 &mut scores,
             )?;
             return Ok(scores);
         }
+        let rows: Vec<&[u8]> = match keys {
+            IndexKeys::Rows(_) => Vec::new(),
+            IndexKeys::Runs(runs) => runs
+                .iter()
+                .flat_map(|r| r.chunks_exact(codec.bytes()))
+                .collect(),
+        };
+        let key = |j: u64| match keys {
+            IndexKeys::Rows(f) => f(j),
+            IndexKeys::Runs(_) => usize::try_from(j).ok().and_then(|j| rows.get(j)).copied(),
+        };
         for (i, &t) in positions.iter().enumerate() {
             let q = IndexQuery::new(
                 codec.layout(),
@@ -608,17 +668,17 @@ impl Csa2Attention {
 
     /// [`Csa2Attention::index_scores`] at the deployed indexer shape (32 heads of 128) with
     /// the integer scan of `kvstack_kernels::attn`, whose scores are bit-identical to the
-    /// exact dots (its docs say why). The keys are gathered once per step; a step of several
+    /// exact dots (its docs say why). The keys come as equal pages ([`KeyPages`]); a step of several
     /// queries splits them between threads, a single query splits its keys instead.
     #[allow(clippy::too_many_arguments)]
-    fn index_scores_fast<'k>(
+    fn index_scores_fast(
         &self,
         layer: usize,
         ratio: u32,
         q_rows: &[u8],
         weights: &[f32],
         positions: &[u64],
-        key: &dyn Fn(u64) -> Option<&'k [u8]>,
+        paged: fast::Paged<'_, IndexMxfp4Entry>,
         scores: &mut [f32],
     ) -> Result<(), Error> {
         let n = positions.len();
@@ -628,17 +688,6 @@ impl Csa2Attention {
             layer,
             reason: format!("indexer scan: {e}"),
         };
-        let mut keys: Vec<IndexMxfp4Entry> = Vec::with_capacity(width);
-        for j in 0..width {
-            let k = key(j as u64)
-                .and_then(|b| IndexMxfp4Entry::read_from_bytes(b).ok())
-                .ok_or_else(|| Error::State {
-                    layer,
-                    reason: format!("index key {j} missing from the store"),
-                })?;
-            keys.push(k);
-        }
-        let paged = fast::Paged::contiguous(&keys);
         let qb = heads * IndexMxfp4Entry::BYTES;
         let score = |i: usize, t: u64, row: &mut [f32], threads: usize| -> Result<(), Error> {
             let hq = <[IndexMxfp4Entry]>::ref_from_bytes(&q_rows[i * qb..(i + 1) * qb])
@@ -685,6 +734,82 @@ impl Csa2Attention {
                 })
             })
         })
+    }
+
+    /// Top-k rows (`[n, index_topk]`, canonical) of a Reindex layer that uses candidate
+    /// pools (`pools[i]` for token `i`), scoring only the pool positions with the integer scan
+    /// (spec §4: every other score is masked to `-inf`, so it is never selected). The sets equal
+    /// those of masking full score rows and selecting (`fast::topk_positions` ranks as
+    /// [`topk`] does, ties to the lower position), for 2,048 x 8 keys a token instead of every
+    /// stored one. `None` (score everything instead) when the indexer is not at the deployed
+    /// shape or a token has no pool.
+    ///
+    /// # Errors
+    /// [`Error::State`] for keys missing from the store or malformed query rows.
+    #[allow(clippy::too_many_arguments)]
+    fn select_in_pools(
+        &self,
+        layer: usize,
+        ratio: u32,
+        q_rows: &[u8],
+        weights: &[f32],
+        positions: &[u64],
+        width: usize,
+        runs: &[&[u8]],
+        pools: &[Vec<u32>],
+    ) -> Result<Option<Vec<i32>>, Error> {
+        let d = &self.dims;
+        let heads = fast::INDEX_HEADS;
+        let deployed = self
+            .key_codec
+            .is_some_and(|c| c.dim() == fast::INDEX_DIM && c.bytes() == IndexMxfp4Entry::BYTES)
+            && d.index_heads == heads;
+        let n = positions.len();
+        if !deployed || pools.len() < n || width == 0 {
+            return Ok(None);
+        }
+        let qb = heads * IndexMxfp4Entry::BYTES;
+        check_input(layer, "index query rows (bytes)", n * qb, q_rows.len())?;
+        check_input(
+            layer,
+            "index weights [n, index_heads]",
+            n * heads,
+            weights.len(),
+        )?;
+        let fast_err = |e: fast::AttnError| Error::State {
+            layer,
+            reason: format!("indexer candidates: {e}"),
+        };
+        let held = KeyPages::new(layer, &IndexKeys::Runs(runs), width)?;
+        let pages = held.pages();
+        let paged = fast::Paged::pages(&pages, held.page).map_err(fast_err)?;
+        let k = d.index_topk;
+        let mut out = vec![-1i32; n * k];
+        let (mut pos, mut scores) = (Vec::new(), Vec::new());
+        for (i, (&t, pool)) in positions.iter().zip(pools).enumerate() {
+            let hq = <[IndexMxfp4Entry]>::ref_from_bytes(&q_rows[i * qb..(i + 1) * qb])
+                .ok()
+                .and_then(|h| <&[IndexMxfp4Entry; fast::INDEX_HEADS]>::try_from(h).ok());
+            let hw =
+                <&[f32; fast::INDEX_HEADS]>::try_from(&weights[i * heads..(i + 1) * heads]).ok();
+            let (Some(hq), Some(hw)) = (hq, hw) else {
+                return Err(Error::State {
+                    layer,
+                    reason: format!("index query {i} is not 32 MXFP4 heads"),
+                });
+            };
+            let q = fast::IndexQuery::new(hq, hw);
+            // A pool position past i32 cannot be stored (the width is below it): never selected.
+            pos.clear();
+            pos.extend(pool.iter().map(|&p| i32::try_from(p).unwrap_or(-1)));
+            scores.clear();
+            scores.resize(pos.len(), f32::NEG_INFINITY);
+            let visible = (Self::visible(ratio, t) as usize).min(width);
+            fast::indexer_scores_at(&q, paged, visible, &pos, self.threads, &mut scores)
+                .map_err(fast_err)?;
+            fast::topk_positions(&scores, &pos, &mut out[i * k..(i + 1) * k]).map_err(fast_err)?;
+        }
+        Ok(Some(out))
     }
 
     /// Top-k rows (`[n, index_topk]`, canonical) of score rows `[n, width]`.
@@ -1049,43 +1174,70 @@ impl Csa2Attention {
             let (iq_pre, iq_rows) = self.index_queries(layer, &ql, &positions)?;
             let iw = self.index_weights(layer, x)?;
             let width = usize::try_from(store.compressed_len(src)).unwrap_or(usize::MAX);
-            let store_ref: &dyn KvStore = store;
-            let key = |j: u64| store_ref.index_key_row(src, j);
-            let mut scores = self.index_scores(layer, &iq_rows, &iw, &positions, width, &key)?;
-            if spec.is_candidate_source {
-                let (pools, bs) = self.candidate_pools(layer, &scores, &positions)?;
-                t.candidate_block_scores = bs;
-                step.candidates = Some(Candidates {
-                    source: layer,
-                    rows: pools,
-                });
-            }
-            let unmasked = if spec.uses_candidates {
-                match &step.candidates {
-                    Some(c) => {
-                        let raw = scores.clone();
-                        for (i, pool) in c.rows.iter().enumerate().take(n) {
-                            mask_to_candidates(&mut scores[i * width..(i + 1) * width], pool);
-                        }
-                        t.scores_after_candidates = Some(scores.clone());
-                        Some(raw)
-                    }
-                    None => {
-                        log::debug!(
-                            "layer {layer}: no candidate pool in this step (reset by a Full layer); scoring all entries"
-                        );
-                        None
-                    }
+            let runs = store.index_key_runs(src);
+            // Serving a Reindex layer that uses the step's candidate pools: only the pool
+            // positions can be selected (the rest are masked to -inf), so only they are
+            // scored. A traced step scores every key, as the reference records them.
+            let pooled = match &step.candidates {
+                Some(c) if trace.is_none() && spec.uses_candidates && !spec.is_candidate_source => {
+                    self.select_in_pools(
+                        layer,
+                        spec.compress_ratio,
+                        &iq_rows,
+                        &iw,
+                        &positions,
+                        width,
+                        &runs,
+                        &c.rows,
+                    )?
                 }
-            } else {
-                None
+                _ => None,
             };
-            let rows = self.select(layer, &scores, n)?;
-            step.topk = Some(TopK {
-                source: layer,
-                k: d.index_topk,
-                rows,
-            });
+            if let Some(rows) = pooled {
+                step.topk = Some(TopK {
+                    source: layer,
+                    k: d.index_topk,
+                    rows,
+                });
+            } else {
+                let mut scores =
+                    self.index_scores_in_runs(layer, &iq_rows, &iw, &positions, width, &runs)?;
+                if spec.is_candidate_source {
+                    let (pools, bs) = self.candidate_pools(layer, &scores, &positions)?;
+                    t.candidate_block_scores = bs;
+                    step.candidates = Some(Candidates {
+                        source: layer,
+                        rows: pools,
+                    });
+                }
+                let unmasked = if spec.uses_candidates {
+                    match &step.candidates {
+                        Some(c) => {
+                            let raw = scores.clone();
+                            for (i, pool) in c.rows.iter().enumerate().take(n) {
+                                mask_to_candidates(&mut scores[i * width..(i + 1) * width], pool);
+                            }
+                            t.scores_after_candidates = Some(scores.clone());
+                            Some(raw)
+                        }
+                        None => {
+                            log::debug!(
+                                "layer {layer}: no candidate pool in this step (reset by a Full layer); scoring all entries"
+                            );
+                            None
+                        }
+                    }
+                } else {
+                    None
+                };
+                let rows = self.select(layer, &scores, n)?;
+                step.topk = Some(TopK {
+                    source: layer,
+                    k: d.index_topk,
+                    rows,
+                });
+                t.index_scores = unmasked.unwrap_or(scores);
+            }
             t.index_queries_pre_quant = iq_pre;
             t.index_query_rows = iq_rows;
             t.index_weights = iw;
@@ -1094,7 +1246,6 @@ impl Csa2Attention {
                 .map(|&p| Self::visible(spec.compress_ratio, p).min(width as u64))
                 .collect();
             t.score_width = width;
-            t.index_scores = unmasked.unwrap_or(scores);
         }
 
         let topk = if spec.compress_ratio > 0 {
@@ -1146,5 +1297,91 @@ impl Csa2Attention {
         }
         store.push_window(layer, p0, &wrows)?;
         Ok(out)
+    }
+}
+
+/// Where the index keys of a scan come from.
+#[derive(Clone, Copy)]
+enum IndexKeys<'k, 'f> {
+    /// One row per call, from any store.
+    Rows(&'f dyn Fn(u64) -> Option<&'k [u8]>),
+    /// Byte runs in position order ([`KvStore::index_key_runs`]).
+    Runs(&'f [&'k [u8]]),
+}
+
+/// The first `width` index keys as equal pages for the integer scan. Runs of one page length
+/// are read in place (a paged store's full pages); from the first run of another length on (a
+/// partly filled last page, the keys this step pushed) the keys are copied and cut into pages
+/// of that length, so only a page or so and the step's own keys are copied. Keys given row by
+/// row are all copied.
+struct KeyPages<'k> {
+    in_place: Vec<&'k [IndexMxfp4Entry]>,
+    copied: Vec<IndexMxfp4Entry>,
+    /// Keys per page.
+    page: usize,
+}
+
+impl<'k> KeyPages<'k> {
+    fn new(layer: usize, keys: &IndexKeys<'k, '_>, width: usize) -> Result<Self, Error> {
+        let missing = |j: usize| Error::State {
+            layer,
+            reason: format!("index key {j} missing from the store"),
+        };
+        let mut kp = KeyPages {
+            in_place: Vec::new(),
+            copied: Vec::new(),
+            page: width.max(1),
+        };
+        match keys {
+            IndexKeys::Rows(key) => {
+                kp.copied.reserve(width);
+                for j in 0..width {
+                    let k = key(j as u64)
+                        .and_then(|b| IndexMxfp4Entry::read_from_bytes(b).ok())
+                        .ok_or_else(|| missing(j))?;
+                    kp.copied.push(k);
+                }
+            }
+            IndexKeys::Runs(runs) => {
+                let mut have = 0usize;
+                for r in runs.iter() {
+                    if have >= width {
+                        break;
+                    }
+                    let entries =
+                        <[IndexMxfp4Entry]>::ref_from_bytes(r).map_err(|_| Error::State {
+                            layer,
+                            reason: format!(
+                                "a run of index keys is {} bytes, not whole {}-byte keys",
+                                r.len(),
+                                IndexMxfp4Entry::BYTES
+                            ),
+                        })?;
+                    let entries = entries.get(..width - have).unwrap_or(entries);
+                    if kp.in_place.is_empty() && kp.copied.is_empty() {
+                        kp.page = entries.len().max(1);
+                    }
+                    if kp.copied.is_empty() && entries.len() == kp.page {
+                        kp.in_place.push(entries);
+                    } else {
+                        kp.copied.extend_from_slice(entries);
+                    }
+                    have += entries.len();
+                }
+                if have < width {
+                    return Err(missing(have));
+                }
+            }
+        }
+        Ok(kp)
+    }
+
+    /// The pages: every one `page` keys long but the last.
+    fn pages(&self) -> Vec<&[IndexMxfp4Entry]> {
+        self.in_place
+            .iter()
+            .copied()
+            .chain(self.copied.chunks(self.page))
+            .collect()
     }
 }

@@ -177,6 +177,17 @@ impl PagedStage {
         self.keys[i].get(k * IndexMxfp4Entry::BYTES..(k + 1) * IndexMxfp4Entry::BYTES)
     }
 
+    fn index_key_runs<'a>(&'a self, cache: &'a KvCache, layer: usize) -> Vec<&'a [u8]> {
+        let mut runs: Vec<&[u8]> = cache
+            .index_keys(self.seq, layer)
+            .map(|v| v.pages().map(|p| p.as_bytes()).collect())
+            .unwrap_or_default();
+        if let Some(staged) = self.source(cache, layer).and_then(|i| self.keys.get(i)) {
+            runs.push(staged);
+        }
+        runs
+    }
+
     fn pending<'a>(&'a self, cache: &'a KvCache, layer: usize) -> &'a [f32] {
         if let Some(Some(p)) = self.source(cache, layer).map(|i| &self.pending[i]) {
             return p;
@@ -413,6 +424,10 @@ macro_rules! paged_kv_store {
 
             fn index_key_row(&self, source: usize, j: u64) -> Option<&[u8]> {
                 self.$stage.index_key_row(&*self.$cache, source, j)
+            }
+
+            fn index_key_runs(&self, source: usize) -> Vec<&[u8]> {
+                self.$stage.index_key_runs(&*self.$cache, source)
             }
 
             fn pending(&self, source: usize) -> &[f32] {

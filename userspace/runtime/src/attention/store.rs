@@ -49,6 +49,15 @@ pub trait KvStore {
     /// Index key `j` of `source`.
     fn index_key_row(&self, source: usize, j: u64) -> Option<&[u8]>;
 
+    /// The index keys of `source` ([`KvStore::compressed_len`] rows) as byte runs in position
+    /// order, so that a scan reads them in place: a paged store's pages, then the rows pushed
+    /// in this step. The default asks [`KvStore::index_key_row`] for every row.
+    fn index_key_runs(&self, source: usize) -> Vec<&[u8]> {
+        (0..self.compressed_len(source))
+            .map_while(|j| self.index_key_row(source, j))
+            .collect()
+    }
+
     /// The pending compressor projections of `source` (see
     /// `kvstack_kernels::csa2::compress::CompressorState`).
     fn pending(&self, source: usize) -> &[f32];
@@ -205,6 +214,10 @@ impl KvStore for ContiguousStore {
 
     fn index_key_row(&self, source: usize, j: u64) -> Option<&[u8]> {
         row(&self.layers.get(source)?.keys, self.key_bytes, j)
+    }
+
+    fn index_key_runs(&self, source: usize) -> Vec<&[u8]> {
+        vec![self.index_key_rows(source)]
     }
 
     fn pending(&self, source: usize) -> &[f32] {
