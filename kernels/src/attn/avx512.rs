@@ -15,7 +15,7 @@ use core::arch::x86_64::*;
 use super::{HEAD_DIM, INDEX_HEADS};
 use kvstack_firmware_interface::IndexMxfp4Entry;
 
-use super::index::{FUSED_KEY_OFFSET, FUSED_SPAN, Prepared};
+use super::index::{FUSED_KEY_OFFSET, FUSED_SPAN, FastLimits, Prepared};
 use super::sparse::{KvRow, LOGIT_SCALE, Partial, Prep};
 use super::tile::{Row512, flat, flat_mut, zeroed};
 use crate::SimdLevel;
@@ -425,6 +425,38 @@ fn load_keys(keys: &[&IndexMxfp4Entry; KEY_LANES]) -> [__m512i; KEY_LANES] {
     v
 }
 
+/// The scale bytes of sixteen keys, lane = key: each block's byte, and their minimum and
+/// maximum.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+fn key_exponents(keys: &[&IndexMxfp4Entry; KEY_LANES]) -> ([__m512i; 4], __m512i, __m512i) {
+    // Lane e: key e's four scale bytes (little-endian u32).
+    let mut sc = [0u8; 4 * KEY_LANES];
+    for (d, k) in sc.chunks_exact_mut(4).zip(keys) {
+        d.copy_from_slice(&k.scales);
+    }
+    let s = ld_si512(&sc);
+    let m = _mm512_set1_epi32(0xFF);
+    let e = [
+        _mm512_and_si512(s, m),
+        _mm512_and_si512(_mm512_srli_epi32::<8>(s), m),
+        _mm512_and_si512(_mm512_srli_epi32::<16>(s), m),
+        _mm512_srli_epi32::<24>(s),
+    ];
+    let emin = _mm512_min_epi32(_mm512_min_epi32(e[0], e[1]), _mm512_min_epi32(e[2], e[3]));
+    let emax = _mm512_max_epi32(_mm512_max_epi32(e[0], e[1]), _mm512_max_epi32(e[2], e[3]));
+    (e, emin, emax)
+}
+
+/// The lanes whose keys fall outside the fast path's scale window, or span more than `span`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+fn outside_fast_path(lim: FastLimits, emin: __m512i, emax: __m512i, span: i32) -> __mmask16 {
+    _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(lim.kmin), emin)
+        | _mm512_cmpgt_epi32_mask(emax, _mm512_set1_epi32(lim.kmax))
+        | _mm512_cmpgt_epi32_mask(_mm512_sub_epi32(emax, emin), _mm512_set1_epi32(span))
+}
+
 /// Keys per tile of [`index_tile16`]: one per 32-bit lane.
 pub(crate) const KEY_LANES: usize = 16;
 
@@ -450,24 +482,8 @@ pub(crate) fn index_tile16(
     let Some(lim) = p.fast else {
         return false;
     };
-    // Lane e: key e's four scale bytes (little-endian u32).
-    let mut sc = [0u8; 4 * KEY_LANES];
-    for (d, k) in sc.chunks_exact_mut(4).zip(keys) {
-        d.copy_from_slice(&k.scales);
-    }
-    let s = ld_si512(&sc);
-    let m = _mm512_set1_epi32(0xFF);
-    let e = [
-        _mm512_and_si512(s, m),
-        _mm512_and_si512(_mm512_srli_epi32::<8>(s), m),
-        _mm512_and_si512(_mm512_srli_epi32::<16>(s), m),
-        _mm512_srli_epi32::<24>(s),
-    ];
-    let emin = _mm512_min_epi32(_mm512_min_epi32(e[0], e[1]), _mm512_min_epi32(e[2], e[3]));
-    let emax = _mm512_max_epi32(_mm512_max_epi32(e[0], e[1]), _mm512_max_epi32(e[2], e[3]));
-    let bad = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(lim.kmin), emin)
-        | _mm512_cmpgt_epi32_mask(emax, _mm512_set1_epi32(lim.kmax))
-        | _mm512_cmpgt_epi32_mask(_mm512_sub_epi32(emax, emin), _mm512_set1_epi32(lim.kspan));
+    let (e, emin, emax) = key_exponents(keys);
+    let bad = outside_fast_path(lim, emin, emax, lim.kspan);
     if bad != 0 {
         return false;
     }
@@ -566,24 +582,8 @@ pub(crate) fn index_tile16_fused(
     let (Some(lim), Some(fl)) = (p.fast, p.fused) else {
         return false;
     };
-    let mut sc = [0u8; 4 * KEY_LANES];
-    for (d, k) in sc.chunks_exact_mut(4).zip(keys) {
-        d.copy_from_slice(&k.scales);
-    }
-    let s = ld_si512(&sc);
-    let m = _mm512_set1_epi32(0xFF);
-    let e = [
-        _mm512_and_si512(s, m),
-        _mm512_and_si512(_mm512_srli_epi32::<8>(s), m),
-        _mm512_and_si512(_mm512_srli_epi32::<16>(s), m),
-        _mm512_srli_epi32::<24>(s),
-    ];
-    let emin = _mm512_min_epi32(_mm512_min_epi32(e[0], e[1]), _mm512_min_epi32(e[2], e[3]));
-    let emax = _mm512_max_epi32(_mm512_max_epi32(e[0], e[1]), _mm512_max_epi32(e[2], e[3]));
-    let span = _mm512_sub_epi32(emax, emin);
-    let bad = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(lim.kmin), emin)
-        | _mm512_cmpgt_epi32_mask(emax, _mm512_set1_epi32(lim.kmax))
-        | _mm512_cmpgt_epi32_mask(span, _mm512_set1_epi32(lim.kspan.min(FUSED_SPAN)))
+    let (e, emin, emax) = key_exponents(keys);
+    let bad = outside_fast_path(lim, emin, emax, lim.kspan.min(FUSED_SPAN))
         | _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(fl.lo), emin)
         | _mm512_cmpgt_epi32_mask(emin, _mm512_set1_epi32(fl.hi));
     if bad != 0 {

@@ -611,11 +611,7 @@ impl Csa2Attention {
             weights.len(),
         )?;
         let mut scores = vec![f32::NEG_INFINITY; n * width];
-        if d.index_heads == fast::INDEX_HEADS
-            && codec.dim() == fast::INDEX_DIM
-            && codec.bytes() == IndexMxfp4Entry::BYTES
-            && width > 0
-        {
+        if self.fast_indexer() && width > 0 {
             let held = KeyPages::new(layer, &keys, width)?;
             let pages = held.pages();
             let paged = fast::Paged::pages(&pages, held.page).map_err(|e| Error::State {
@@ -683,25 +679,12 @@ impl Csa2Attention {
     ) -> Result<(), Error> {
         let n = positions.len();
         let width = scores.len() / n.max(1);
-        let heads = fast::INDEX_HEADS;
         let fast_err = |e: fast::AttnError| Error::State {
             layer,
             reason: format!("indexer scan: {e}"),
         };
-        let qb = heads * IndexMxfp4Entry::BYTES;
         let score = |i: usize, t: u64, row: &mut [f32], threads: usize| -> Result<(), Error> {
-            let hq = <[IndexMxfp4Entry]>::ref_from_bytes(&q_rows[i * qb..(i + 1) * qb])
-                .ok()
-                .and_then(|h| <&[IndexMxfp4Entry; fast::INDEX_HEADS]>::try_from(h).ok());
-            let hw =
-                <&[f32; fast::INDEX_HEADS]>::try_from(&weights[i * heads..(i + 1) * heads]).ok();
-            let (Some(hq), Some(hw)) = (hq, hw) else {
-                return Err(Error::State {
-                    layer,
-                    reason: format!("index query {i} is not 32 MXFP4 heads"),
-                });
-            };
-            let q = fast::IndexQuery::new(hq, hw);
+            let q = fast_query(layer, q_rows, weights, i)?;
             let visible = (Self::visible(ratio, t) as usize).min(width);
             fast::indexer_scores(&q, paged, visible, threads, row).map_err(fast_err)
         };
@@ -736,6 +719,15 @@ impl Csa2Attention {
         })
     }
 
+    /// Whether the indexer has the deployed shape the integer scan of `kvstack_kernels::attn`
+    /// serves: 32 MXFP4 heads of 128.
+    fn fast_indexer(&self) -> bool {
+        self.dims.index_heads == fast::INDEX_HEADS
+            && self
+                .key_codec
+                .is_some_and(|c| c.dim() == fast::INDEX_DIM && c.bytes() == IndexMxfp4Entry::BYTES)
+    }
+
     /// Top-k rows (`[n, index_topk]`, canonical) of a Reindex layer that uses candidate
     /// pools (`pools[i]` for token `i`), scoring only the pool positions with the integer scan
     /// (spec §4: every other score is masked to `-inf`, so it is never selected). The sets equal
@@ -760,12 +752,8 @@ impl Csa2Attention {
     ) -> Result<Option<Vec<i32>>, Error> {
         let d = &self.dims;
         let heads = fast::INDEX_HEADS;
-        let deployed = self
-            .key_codec
-            .is_some_and(|c| c.dim() == fast::INDEX_DIM && c.bytes() == IndexMxfp4Entry::BYTES)
-            && d.index_heads == heads;
         let n = positions.len();
-        if !deployed || pools.len() < n || width == 0 {
+        if !self.fast_indexer() || pools.len() < n || width == 0 {
             return Ok(None);
         }
         let qb = heads * IndexMxfp4Entry::BYTES;
@@ -787,18 +775,7 @@ impl Csa2Attention {
         let mut out = vec![-1i32; n * k];
         let (mut pos, mut scores) = (Vec::new(), Vec::new());
         for (i, (&t, pool)) in positions.iter().zip(pools).enumerate() {
-            let hq = <[IndexMxfp4Entry]>::ref_from_bytes(&q_rows[i * qb..(i + 1) * qb])
-                .ok()
-                .and_then(|h| <&[IndexMxfp4Entry; fast::INDEX_HEADS]>::try_from(h).ok());
-            let hw =
-                <&[f32; fast::INDEX_HEADS]>::try_from(&weights[i * heads..(i + 1) * heads]).ok();
-            let (Some(hq), Some(hw)) = (hq, hw) else {
-                return Err(Error::State {
-                    layer,
-                    reason: format!("index query {i} is not 32 MXFP4 heads"),
-                });
-            };
-            let q = fast::IndexQuery::new(hq, hw);
+            let q = fast_query(layer, q_rows, weights, i)?;
             // A pool position past i32 cannot be stored (the width is below it): never selected.
             pos.clear();
             pos.extend(pool.iter().map(|&p| i32::try_from(p).unwrap_or(-1)));
@@ -1297,6 +1274,34 @@ impl Csa2Attention {
         }
         store.push_window(layer, p0, &wrows)?;
         Ok(out)
+    }
+}
+
+/// Index query `i` of a step's rows (32 MXFP4 heads each) and weights (32 each), prepared for
+/// the integer scan.
+fn fast_query(
+    layer: usize,
+    q_rows: &[u8],
+    weights: &[f32],
+    i: usize,
+) -> Result<fast::IndexQuery, Error> {
+    let (heads, qb) = (
+        fast::INDEX_HEADS,
+        fast::INDEX_HEADS * IndexMxfp4Entry::BYTES,
+    );
+    let hq = q_rows
+        .get(i * qb..(i + 1) * qb)
+        .and_then(|b| <[IndexMxfp4Entry]>::ref_from_bytes(b).ok())
+        .and_then(|h| <&[IndexMxfp4Entry; fast::INDEX_HEADS]>::try_from(h).ok());
+    let hw = weights
+        .get(i * heads..(i + 1) * heads)
+        .and_then(|w| <&[f32; fast::INDEX_HEADS]>::try_from(w).ok());
+    match (hq, hw) {
+        (Some(hq), Some(hw)) => Ok(fast::IndexQuery::new(hq, hw)),
+        _ => Err(Error::State {
+            layer,
+            reason: format!("index query {i} is not 32 MXFP4 heads with 32 weights"),
+        }),
     }
 }
 
