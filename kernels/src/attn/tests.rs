@@ -121,44 +121,50 @@ fn realistic_keys_take_the_integer_kernels() {
     }
 }
 
+/// An MXFP4 row of the largest products: every element +6, or -6 in the bytes `i` where
+/// `neg(i)` (bytes `0x77` and `0xFF`: E2M1 code 7 or 15 in both nibbles).
+fn six_row(neg: impl Fn(usize) -> bool, scales: [u8; 4]) -> IndexMxfp4Entry {
+    let mut e = IndexMxfp4Entry::new_zeroed();
+    for (i, v) in e.values.iter_mut().enumerate() {
+        *v = if neg(i) { 0xFF } else { 0x77 };
+    }
+    e.scales = scales;
+    e
+}
+
+/// Asserts that every level scores `ks` with the reference's bits.
+fn assert_reference_bits(q: &IndexQuery, ks: &[IndexMxfp4Entry], what: &str) {
+    let want = indexer_scores_ref(q.heads(), q.weights(), ks, ks.len());
+    for level in available_levels() {
+        let mut got = vec![0f32; ks.len()];
+        indexer_scores_with(level, q, Paged::contiguous(ks), ks.len(), 1, &mut got).unwrap();
+        for (s, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g.to_bits(), w.to_bits(), "{level} {what} s{s}: {g} vs {w}");
+        }
+    }
+}
+
 #[test]
 fn indexer_fast_path_is_exact_at_its_limits() {
     // The largest products (every element +-6, so |I_b| = 4608) with exponent spreads at the
     // fast path's bound (query 4 + key 6 = 10) and scale bytes near both ends of its window:
     // the integer kernels must still give the reference's bits, and take these tiles.
     let mut r = StdRng::seed_from_u64(17);
-    let six = 0x77u8; // E2M1 code 7 (+6) in both nibbles; 0xFF is -6 in both.
     for (qbase, kbase) in [(120u8, 120u8), (3, 127), (237, 3), (60, 200)] {
         let heads: [IndexMxfp4Entry; INDEX_HEADS] = std::array::from_fn(|h| {
-            let mut e = IndexMxfp4Entry::new_zeroed();
-            for (i, v) in e.values.iter_mut().enumerate() {
-                *v = if (h + i / 16) % 5 == 0 { 0xFF } else { six };
-            }
-            e.scales = [qbase, qbase + 4, qbase + (h % 5) as u8, qbase + 1];
-            e
+            let scales = [qbase, qbase + 4, qbase + (h % 5) as u8, qbase + 1];
+            six_row(|i| (h + i / 16) % 5 == 0, scales)
         });
         let w: [f32; INDEX_HEADS] = std::array::from_fn(|_| r.random::<f32>() + 0.1);
         let q = IndexQuery::new(&heads, &w);
         assert!(q.has_fast_path(), "query scales from {qbase}");
         let ks: Vec<IndexMxfp4Entry> = (0..64)
             .map(|k| {
-                let mut e = IndexMxfp4Entry::new_zeroed();
-                for (i, v) in e.values.iter_mut().enumerate() {
-                    *v = if (k + i) % 7 == 0 { 0xFF } else { six };
-                }
                 let s = |d: usize| kbase + ((k + d) % 7) as u8;
-                e.scales = [s(0), s(1), s(2), s(3)];
-                e
+                six_row(|i| (k + i) % 7 == 0, [s(0), s(1), s(2), s(3)])
             })
             .collect();
-        let want = indexer_scores_ref(q.heads(), q.weights(), &ks, ks.len());
-        for level in available_levels() {
-            let mut got = vec![0f32; ks.len()];
-            indexer_scores_with(level, &q, Paged::contiguous(&ks), ks.len(), 1, &mut got).unwrap();
-            for (s, (g, w)) in got.iter().zip(&want).enumerate() {
-                assert_eq!(g.to_bits(), w.to_bits(), "{level} q{qbase} k{kbase} s{s}");
-            }
-        }
+        assert_reference_bits(&q, &ks, &format!("q{qbase} k{kbase}"));
         #[cfg(target_arch = "x86_64")]
         assert_kernels_take(&q, &ks, &format!("q{qbase} k{kbase}"), false);
     }
@@ -195,7 +201,6 @@ fn fused_bounds_hold(
 #[test]
 fn fused_indexer_kernel_is_exact_at_its_limits() {
     let mut r = StdRng::seed_from_u64(23);
-    let six = 0x77u8;
     let cases = [
         (100u8, 3u8, -20i32),
         (100, 3, 60),
@@ -210,14 +215,9 @@ fn fused_indexer_kernel_is_exact_at_its_limits() {
     ];
     for (qbase, qspan, wexp) in cases {
         let heads: [IndexMxfp4Entry; INDEX_HEADS] = std::array::from_fn(|h| {
-            let mut e = IndexMxfp4Entry::new_zeroed();
-            for (i, v) in e.values.iter_mut().enumerate() {
-                *v = if (h + i / 16) % 5 == 0 { 0xFF } else { six };
-            }
             let mut sc = [qbase, qbase + qspan, qbase + 1, qbase + 2];
             sc.rotate_left(h % 4);
-            e.scales = sc;
-            e
+            six_row(|i| (h + i / 16) % 5 == 0, sc)
         });
         let w: [f32; INDEX_HEADS] = std::array::from_fn(|h| match h % 7 {
             3 => 0.0,
@@ -254,25 +254,13 @@ fn fused_indexer_kernel_is_exact_at_its_limits() {
                 }
                 expect.push(query_ok && ok(ekmin) && span <= index::FUSED_SPAN);
                 for k in 0..16 {
-                    let mut e = IndexMxfp4Entry::new_zeroed();
-                    for (i, v) in e.values.iter_mut().enumerate() {
-                        *v = if (k + i) % 7 == 0 { 0xFF } else { six };
-                    }
                     let mut sc = [ekmin, ekmin + span, ekmin + 1, ekmin + 2].map(|x| x as u8);
                     sc.rotate_left(k % 4);
-                    e.scales = sc;
-                    ks.push(e);
+                    ks.push(six_row(|i| (k + i) % 7 == 0, sc));
                 }
             }
         }
-        let want = indexer_scores_ref(q.heads(), q.weights(), &ks, ks.len());
-        for level in available_levels() {
-            let mut got = vec![0f32; ks.len()];
-            indexer_scores_with(level, &q, Paged::contiguous(&ks), ks.len(), 1, &mut got).unwrap();
-            for (s, (g, w)) in got.iter().zip(&want).enumerate() {
-                assert_eq!(g.to_bits(), w.to_bits(), "{level} {what} s{s}: {g} vs {w}");
-            }
-        }
+        assert_reference_bits(&q, &ks, &what);
         #[cfg(target_arch = "x86_64")]
         {
             let avx512 = crate::level::Verified::new(crate::SimdLevel::Avx512);
