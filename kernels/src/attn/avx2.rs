@@ -371,52 +371,109 @@ fn score8(q: &IndexQuery, keys: &[&IndexMxfp4Entry; 8]) -> [f32; 8] {
     s.0
 }
 
-/// Runs the gathering scan prefetches ahead of the one it scores: candidate blocks sit at
-/// random places in a large cache, so each one costs a DRAM latency unless requested early.
-/// Four runs of a pool block (8 keys) are about 0.6 us of scoring, several DRAM latencies.
-const GATHER_AHEAD_RUNS: usize = 4;
+/// Positions a gathered scan resolves to keys at once: four tiles of 16 (or eight of 8).
+const GATHER_BATCH: usize = 64;
+/// Keys scored between two prefetch steps of a gathered scan: one 16-key tile.
+const GATHER_STEP: usize = 16;
 
-/// The positions of a gathered scan as runs of consecutive stored keys: `(d, keys)` scores
-/// `keys` into `out[d..d + keys.len()]`. A candidate pool lists whole blocks of consecutive
-/// positions (spec §4), so a pool of 16,384 positions makes about 2,048 runs and the cache's
-/// page table is consulted once per run, not per key. Positions outside `0..visible` are
-/// skipped (their outputs are left alone).
-fn position_runs<'a>(
-    keys: Paged<'a, IndexMxfp4Entry>,
-    visible: usize,
-    positions: &[i32],
-) -> Vec<(usize, &'a [IndexMxfp4Entry])> {
-    let visible = visible.min(keys.len());
-    let valid = |p: i32| usize::try_from(p).ok().filter(|&p| p < visible);
-    let mut runs = Vec::with_capacity(positions.len() / super::POOL_BLOCK + 1);
-    let mut i = 0;
-    while let Some(&p) = positions.get(i) {
-        let Some(start) = valid(p) else {
-            i += 1;
-            continue;
+/// Bits `d..d + n` of a batch's validity mask (`d + n <= GATHER_BATCH`).
+#[inline]
+fn run_mask(d: usize, n: usize) -> u64 {
+    let ones = u64::MAX.checked_shr((GATHER_BATCH - n.min(GATHER_BATCH)) as u32);
+    ones.unwrap_or(0).checked_shl(d as u32).unwrap_or(0)
+}
+
+/// A batch of a gathered scan: `refs[i]` is the key of the batch's `i`-th position where bit
+/// `i` of `valid` is set; other slots hold a stand-in key, scored but never written out.
+struct Batch<'a> {
+    refs: [&'a IndexMxfp4Entry; GATHER_BATCH],
+    valid: u64,
+}
+
+impl<'a> Batch<'a> {
+    /// The keys of `positions` (at most [`GATHER_BATCH`]); positions outside `0..visible`
+    /// (with `visible <= keys.len()`) stay invalid. One page lookup per run of consecutive
+    /// positions (a candidate pool lists whole blocks), none per key.
+    #[inline]
+    fn resolve(
+        keys: Paged<'a, IndexMxfp4Entry>,
+        visible: usize,
+        positions: &[i32],
+        stand_in: &'a IndexMxfp4Entry,
+    ) -> Self {
+        let mut b = Batch {
+            refs: [stand_in; GATHER_BATCH],
+            valid: 0,
         };
-        // The run continues while positions step by one inside the visible range.
-        let mut len = 1;
-        while positions
-            .get(i + len)
-            .and_then(|&x| valid(x))
-            .is_some_and(|x| x == start + len)
-        {
-            len += 1;
+        let valid = |p: i32| usize::try_from(p).ok().filter(|&p| p < visible);
+        let mut i = 0;
+        while let Some(&p) = positions.get(i) {
+            let Some(start) = valid(p) else {
+                i += 1;
+                continue;
+            };
+            // Whole blocks of 8 consecutive positions at a time (a pool's shape), then one by one.
+            let mut len = 1;
+            while let Some(next) = positions.get(i + len..i + len + 8) {
+                let end = start + len + 8;
+                if end > visible || end > i32::MAX as usize {
+                    break;
+                }
+                // Exact casts: every value is below `end <= i32::MAX`.
+                let want: [i32; 8] = std::array::from_fn(|j| (start + len + j) as i32);
+                if next != want {
+                    break;
+                }
+                len += 8;
+            }
+            while positions
+                .get(i + len)
+                .and_then(|&x| valid(x))
+                .is_some_and(|x| x == start + len)
+            {
+                len += 1;
+            }
+            for (s, run) in keys.runs(start..start + len) {
+                let d = i + s - start;
+                let mut n = 0;
+                for (r, k) in b.refs.iter_mut().skip(d).zip(run) {
+                    *r = k;
+                    n += 1;
+                }
+                b.valid |= run_mask(d, n);
+            }
+            i += len;
         }
-        runs.extend(
-            keys.runs(start..start + len)
-                .map(|(s, r)| (i + s - start, r)),
-        );
-        i += len;
+        b
     }
-    runs
+
+    /// Prefetches into L1 the cache lines of the keys of tile `step`: the first line of each
+    /// 68-byte key and the one 64 bytes on. Within a run that covers every line (a key that
+    /// reaches a third line ends in the next key's first one); only the last key of a run
+    /// may, 3 times in 64, leave its last 4 bytes to a demand miss. Stand-ins are prefetched
+    /// too: branching on validity cost more than it saved.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn prefetch_step(&self, step: usize) {
+        let Some(tile) = self.refs.as_chunks::<GATHER_STEP>().0.get(step) else {
+            return;
+        };
+        for &k in tile {
+            let p = std::ptr::from_ref(k).cast::<i8>();
+            // A prefetch never faults and has no effect visible to Rust; both addresses lie
+            // inside the key.
+            _mm_prefetch::<_MM_HINT_T0>(p);
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64));
+        }
+    }
 }
 
 /// Scores the keys at `positions` into `out` (`out[i]` for `positions[i]`; positions outside
-/// `0..visible` are left alone): runs of consecutive positions ([`position_runs`]) are scored
-/// like a contiguous scan's, each run's cache lines prefetched [`GATHER_AHEAD_RUNS`] runs
-/// ahead.
+/// `0..visible` are left alone), in batches of [`GATHER_BATCH`] positions: each batch is
+/// resolved to key references one batch ahead of its scoring, its keys' lines are prefetched
+/// one tile at a time while the batch before it is scored, and its tiles go straight to the
+/// kernel. (The per-key carried tile this replaced, fed run by run, cost about a quarter of
+/// the kernel's own time; this batching about a tenth; see docs/attention-kernels.md.)
 #[target_feature(enable = "avx2,fma")]
 pub(crate) fn score_positions(
     q: &IndexQuery,
@@ -426,29 +483,57 @@ pub(crate) fn score_positions(
     vnni: Option<Vnni>,
     out: &mut [f32],
 ) {
-    let runs = position_runs(keys, visible, positions);
-    let prefetch = |i: usize| {
-        if let Some((_, r)) = runs.get(i + GATHER_AHEAD_RUNS) {
-            let p = r.as_ptr().cast::<i8>();
-            let len = size_of_val(*r);
-            for off in (0..len)
-                .step_by(64)
-                .chain(std::iter::once(len.saturating_sub(1)))
-            {
-                // A prefetch never faults and has no effect visible to Rust; every address
-                // lies inside the run, computed with wrapping arithmetic.
-                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off));
+    let visible = visible.min(keys.len());
+    let Some(stand_in) = keys.get(0).filter(|_| visible > 0) else {
+        return;
+    };
+    let mut batches = positions
+        .chunks(GATHER_BATCH)
+        .zip(out.chunks_mut(GATHER_BATCH));
+    let Some((pos, mut o)) = batches.next() else {
+        return;
+    };
+    let mut cur = Batch::resolve(keys, visible, pos, stand_in);
+    for step in 0..GATHER_BATCH / GATHER_STEP {
+        cur.prefetch_step(step);
+    }
+    loop {
+        let following = batches.next();
+        let next = following
+            .as_ref()
+            .map(|(p, _)| Batch::resolve(keys, visible, p, stand_in));
+        if cur.valid != 0 {
+            let mut s = [0f32; GATHER_BATCH];
+            let steps = cur
+                .refs
+                .as_chunks::<GATHER_STEP>()
+                .0
+                .iter()
+                .zip(s.as_chunks_mut::<GATHER_STEP>().0)
+                .enumerate();
+            for (step, (t, st)) in steps {
+                if let Some(n) = &next {
+                    n.prefetch_step(step);
+                }
+                score_tile(q, t, vnni, st);
+            }
+            if cur.valid == u64::MAX && o.len() == GATHER_BATCH {
+                o.copy_from_slice(&s);
+            } else {
+                for (i, (o, v)) in o.iter_mut().zip(s).enumerate() {
+                    if cur.valid >> i & 1 == 1 {
+                        *o = v;
+                    }
+                }
             }
         }
-    };
-    let listed = runs.iter().copied().enumerate().map(|(i, r)| {
-        prefetch(i);
-        r
-    });
-    if vnni.is_some() {
-        score_runs_n::<{ super::avx512::KEY_LANES }>(q, listed, false, vnni, out);
-    } else {
-        score_runs_n::<8>(q, listed, false, vnni, out);
+        match (following, next) {
+            (Some((_, fo)), Some(n)) => {
+                o = fo;
+                cur = n;
+            }
+            _ => break,
+        }
     }
 }
 
@@ -463,19 +548,18 @@ pub(crate) fn score_runs<'a>(
     out: &mut [f32],
 ) {
     if vnni.is_some() {
-        score_runs_n::<{ super::avx512::KEY_LANES }>(q, runs, true, vnni, out);
+        score_runs_n::<{ super::avx512::KEY_LANES }>(q, runs, vnni, out);
     } else {
-        score_runs_n::<8>(q, runs, true, vnni, out);
+        score_runs_n::<8>(q, runs, vnni, out);
     }
 }
 
-/// [`score_runs`] in tiles of `N` keys; `ahead` prefetches the memory past each tile (runs of
-/// a contiguous scan continue there; a gathered scan prefetches its next runs itself).
+/// [`score_runs`] in tiles of `N` keys, prefetching the memory past each tile (where the runs
+/// of a contiguous scan continue).
 #[target_feature(enable = "avx2,fma")]
 fn score_runs_n<'a, const N: usize>(
     q: &IndexQuery,
     runs: impl Iterator<Item = (usize, &'a [IndexMxfp4Entry])>,
-    ahead: bool,
     vnni: Option<Vnni>,
     out: &mut [f32],
 ) {
@@ -495,7 +579,7 @@ fn score_runs_n<'a, const N: usize>(
         let mut d = d0 + lead;
         for t in tiles {
             let p = t.as_ptr().cast::<i8>();
-            for off in (0..size_of_val(t)).step_by(64).filter(|_| ahead) {
+            for off in (0..size_of_val(t)).step_by(64) {
                 // A prefetch never faults and has no effect visible to Rust; the address may
                 // lie past the run, so it is computed with wrapping arithmetic.
                 _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(KEY_PREFETCH + off));

@@ -317,13 +317,17 @@ fn indexer_candidates_match_the_scan() {
     spread.push(-1);
     // Pool-like blocks of 8: across a page boundary (pages of 100), twice the same block, one
     // across the visible end, one broken by a -1, one past the end, one descending, and a
-    // block right after another so that their runs join.
+    // block right after another so that their runs join; then a long run across page
+    // boundaries and the gathered scan's batches of 64 positions, and one up to the visible
+    // end that starts off the 8-alignment.
     let mut blocks: Vec<i32> = Vec::new();
     for start in [96, 0, 96, 984, 500, 1000, 200, 208, 3000] {
         blocks.extend(start..start + 8);
     }
     blocks[4 * 8 + 3] = -1;
     blocks.extend((40..48).rev());
+    blocks.extend(150..290);
+    blocks.extend(974..1000);
     let pages: Vec<&[IndexMxfp4Entry]> = ks.chunks(100).collect();
     let paged = Paged::pages(&pages, 100).unwrap();
     for (level, positions) in available_levels()
