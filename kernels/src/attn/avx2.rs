@@ -6,6 +6,7 @@
 //! raw pointers whose bounds are checked once per call (see each SAFETY comment).
 
 use core::arch::x86_64::*;
+use std::ops::Range;
 
 use kvstack_firmware_interface::IndexMxfp4Entry;
 use kvstack_firmware_interface::element::E2M1_TIMES_TWO_I8;
@@ -375,6 +376,11 @@ fn score8(q: &IndexQuery, keys: &[&IndexMxfp4Entry; 8]) -> [f32; 8] {
 const GATHER_BATCH: usize = 64;
 /// Keys scored between two prefetch steps of a gathered scan: one 16-key tile.
 const GATHER_STEP: usize = 16;
+/// How many batches ahead a gathered scan resolves positions and touches each block's first
+/// line (about 3.5 us of scoring; 2 to 16 measured the same).
+const GATHER_FAR: usize = 3;
+/// Resolved batches a gathered scan holds: the one scored and those up to [`GATHER_FAR`].
+const GATHER_RING: usize = GATHER_FAR + 1;
 
 /// Bits `d..d + n` of a batch's validity mask (`d + n <= GATHER_BATCH`).
 #[inline]
@@ -447,6 +453,26 @@ impl<'a> Batch<'a> {
         b
     }
 
+    /// Prefetches into L1 the first line of each 8-key block (a pool block, spec §4) of tile
+    /// `step`, and of its last key where the block crosses into another 4 KiB page.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn prefetch_blocks(&self, step: usize) {
+        let Some(tile) = self.refs.as_chunks::<GATHER_STEP>().0.get(step) else {
+            return;
+        };
+        for block in tile.as_chunks::<8>().0 {
+            let first = std::ptr::from_ref(block[0]).cast::<i8>();
+            let last = std::ptr::from_ref(block[7]).cast::<i8>();
+            // A prefetch never faults and has no effect visible to Rust; both addresses lie
+            // inside a key.
+            _mm_prefetch::<_MM_HINT_T0>(first);
+            if first.addr() >> 12 != last.addr() >> 12 {
+                _mm_prefetch::<_MM_HINT_T0>(last);
+            }
+        }
+    }
+
     /// Prefetches into L1 the cache lines of the keys of tile `step`: the first line of each
     /// 68-byte key and the one 64 bytes on. Within a run that covers every line (a key that
     /// reaches a third line ends in the next key's first one); only the last key of a run
@@ -469,11 +495,14 @@ impl<'a> Batch<'a> {
 }
 
 /// Scores the keys at `positions` into `out` (`out[i]` for `positions[i]`; positions outside
-/// `0..visible` are left alone), in batches of [`GATHER_BATCH`] positions: each batch is
-/// resolved to key references one batch ahead of its scoring, its keys' lines are prefetched
-/// one tile at a time while the batch before it is scored, and its tiles go straight to the
-/// kernel. (The per-key carried tile this replaced, fed run by run, cost about a quarter of
-/// the kernel's own time; this batching about a tenth; see docs/attention-kernels.md.)
+/// `0..visible` are left alone), in batches of [`GATHER_BATCH`] positions whose tiles go
+/// straight to the kernel. Batches are resolved to key references [`GATHER_FAR`] batches
+/// ahead of their scoring. While a batch's tiles are scored, two kinds of prefetch run ahead,
+/// one tile's worth per step: the first line of every pool block (8 keys) of the batch
+/// `GATHER_FAR` ahead, and every line of the next batch. The far touches pay each block's
+/// page walk and DRAM latency early, so that the near ones, which fetch the rest, complete in
+/// time; either kind alone left a cold pool's load time on top of the scoring (see
+/// docs/attention-kernels.md, "Gathered scans").
 #[target_feature(enable = "avx2,fma")]
 pub(crate) fn score_positions(
     q: &IndexQuery,
@@ -487,52 +516,74 @@ pub(crate) fn score_positions(
     let Some(stand_in) = keys.get(0).filter(|_| visible > 0) else {
         return;
     };
-    let mut batches = positions
-        .chunks(GATHER_BATCH)
-        .zip(out.chunks_mut(GATHER_BATCH));
-    let Some((pos, mut o)) = batches.next() else {
-        return;
+    let n_batches = positions.len().div_ceil(GATHER_BATCH);
+    let batch_at = |b: usize| {
+        let lo = (b * GATHER_BATCH).min(positions.len());
+        let hi = (lo + GATHER_BATCH).min(positions.len());
+        (
+            lo..hi,
+            Batch::resolve(
+                keys,
+                visible,
+                positions.get(lo..hi).unwrap_or_default(),
+                stand_in,
+            ),
+        )
     };
-    let mut cur = Batch::resolve(keys, visible, pos, stand_in);
-    for step in 0..GATHER_BATCH / GATHER_STEP {
-        cur.prefetch_step(step);
-    }
-    loop {
-        let following = batches.next();
-        let next = following
-            .as_ref()
-            .map(|(p, _)| Batch::resolve(keys, visible, p, stand_in));
-        if cur.valid != 0 {
-            let mut s = [0f32; GATHER_BATCH];
-            let steps = cur
-                .refs
-                .as_chunks::<GATHER_STEP>()
-                .0
-                .iter()
-                .zip(s.as_chunks_mut::<GATHER_STEP>().0)
-                .enumerate();
-            for (step, (t, st)) in steps {
-                if let Some(n) = &next {
-                    n.prefetch_step(step);
-                }
-                score_tile(q, t, vnni, st);
-            }
-            if cur.valid == u64::MAX && o.len() == GATHER_BATCH {
-                o.copy_from_slice(&s);
-            } else {
-                for (i, (o, v)) in o.iter_mut().zip(s).enumerate() {
-                    if cur.valid >> i & 1 == 1 {
-                        *o = v;
-                    }
-                }
+    let mut ring: [Option<(Range<usize>, Batch<'_>)>; GATHER_RING] = Default::default();
+    for b in 0..GATHER_FAR.min(n_batches) {
+        let (range, batch) = batch_at(b);
+        for step in 0..GATHER_BATCH / GATHER_STEP {
+            batch.prefetch_blocks(step);
+            if b == 0 {
+                batch.prefetch_step(step);
             }
         }
-        match (following, next) {
-            (Some((_, fo)), Some(n)) => {
-                o = fo;
-                cur = n;
+        ring[b % GATHER_RING] = Some((range, batch));
+    }
+    for b in 0..n_batches {
+        if b + GATHER_FAR < n_batches {
+            ring[(b + GATHER_FAR) % GATHER_RING] = Some(batch_at(b + GATHER_FAR));
+        }
+        let Some((range, cur)) = ring[b % GATHER_RING].take() else {
+            continue;
+        };
+        let Some(o) = out.get_mut(range) else {
+            continue;
+        };
+        if cur.valid == 0 {
+            continue;
+        }
+        let near = ring[(b + 1) % GATHER_RING].as_ref().map(|(_, n)| n);
+        let far = ring[(b + GATHER_FAR) % GATHER_RING]
+            .as_ref()
+            .filter(|_| b + GATHER_FAR < n_batches)
+            .map(|(_, n)| n);
+        let mut s = [0f32; GATHER_BATCH];
+        let steps = cur
+            .refs
+            .as_chunks::<GATHER_STEP>()
+            .0
+            .iter()
+            .zip(s.as_chunks_mut::<GATHER_STEP>().0)
+            .enumerate();
+        for (step, (t, st)) in steps {
+            if let Some(f) = far {
+                f.prefetch_blocks(step);
             }
-            _ => break,
+            if let Some(n) = near {
+                n.prefetch_step(step);
+            }
+            score_tile(q, t, vnni, st);
+        }
+        if cur.valid == u64::MAX && o.len() == GATHER_BATCH {
+            o.copy_from_slice(&s);
+        } else {
+            for (i, (o, v)) in o.iter_mut().zip(s).enumerate() {
+                if cur.valid >> i & 1 == 1 {
+                    *o = v;
+                }
+            }
         }
     }
 }
