@@ -27,7 +27,7 @@ mod step;
 mod store;
 
 pub use dims::AttentionDims;
-pub use layer::{Compressed, Csa2Attention, LayerTrace};
+pub use layer::{AttentionPath, Compressed, Csa2Attention, LayerTrace};
 pub use paged::{PagedStage, PagedStore, PagedView};
 pub use params::{
     AttentionWeights, CompressorWeights, IndexKeyWeights, IndexerWeights, LayerWeights,
