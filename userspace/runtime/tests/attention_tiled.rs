@@ -11,17 +11,8 @@ use kvstack_runtime::attention::{AttentionPath, Csa2Attention, TopK};
 use kvstack_runtime::builtin::tiny_config;
 use kvstack_runtime::model::init::random_model;
 use kvstack_runtime::plan::LayerMode;
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> f32 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-}
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 
 /// One layer's inputs: queries at `positions`, the window rows of every position up to the
 /// last, `entries` compressed entries and a top-k row per query (with `-1` slots).
@@ -34,7 +25,7 @@ struct Case {
     topk: TopK,
 }
 
-fn case(attn: &Csa2Attention, n: usize, rng: &mut Rng) -> Case {
+fn case(attn: &Csa2Attention, n: usize, rng: &mut StdRng) -> Case {
     let d = attn.dims();
     assert_eq!(d.head_dim, 512, "the built-in model has 512-wide heads");
     let layer = attn
@@ -46,8 +37,10 @@ fn case(attn: &Csa2Attention, n: usize, rng: &mut Rng) -> Case {
         .index;
     let first = 300u64;
     let positions: Vec<u64> = (first..first + n as u64).collect();
-    let rows = |format: EntryFormat, count: usize, scale: f32, rng: &mut Rng| {
-        let x: Vec<f32> = (0..count * 512).map(|_| rng.next() * scale).collect();
+    let rows = |format: EntryFormat, count: usize, scale: f32, rng: &mut StdRng| {
+        let x: Vec<f32> = (0..count * 512)
+            .map(|_| rng.random_range(-scale..scale))
+            .collect();
         let mut out = vec![0u8; count * format.entry_bytes()];
         kvstack_kernels::quantize(format, &x, &mut out).unwrap();
         out
@@ -55,7 +48,9 @@ fn case(attn: &Csa2Attention, n: usize, rng: &mut Rng) -> Case {
     let window = rows(EntryFormat::WindowFp8, first as usize + n, 3.0, rng);
     let n_entries = 2000;
     let entries = rows(EntryFormat::GlobalFp4, n_entries, 3.0, rng);
-    let q: Vec<f32> = (0..n * d.q_width()).map(|_| rng.next() * 0.3).collect();
+    let q: Vec<f32> = (0..n * d.q_width())
+        .map(|_| rng.random_range(-0.3..0.3))
+        .collect();
     let k = d.index_topk;
     let mut topk = TopK {
         source: layer,
@@ -137,7 +132,7 @@ fn tiled_attention_matches_the_general_path() {
     let mut general = tiled.clone();
     general.set_attention_path(AttentionPath::General);
     let n = 24;
-    let c = case(&tiled, n, &mut Rng(0x5eed));
+    let c = case(&tiled, n, &mut StdRng::seed_from_u64(0x5eed));
     let want = attend(&general, &c, 0..n);
     for threads in [1, 2] {
         tiled.set_threads(threads);
@@ -170,7 +165,7 @@ fn tiled_attention_names_a_missing_row() {
     let mut tiled = model.attention().clone();
     tiled.set_attention_path(AttentionPath::Tiled);
     let attn = &tiled;
-    let c = case(attn, 2, &mut Rng(9));
+    let c = case(attn, 2, &mut StdRng::seed_from_u64(9));
     let wb = EntryFormat::WindowFp8.entry_bytes();
     let eb = EntryFormat::GlobalFp4.entry_bytes();
     let qw = attn.dims().q_width();

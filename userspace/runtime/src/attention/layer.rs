@@ -108,6 +108,61 @@ struct QueryRows<'a> {
     entries: Vec<&'a [GlobalFp4Entry]>,
 }
 
+/// Which keys each query of one layer's step attends: window positions and selected entries.
+/// Both attention paths go through this (and [`KeySource`]), with the same errors.
+struct Selection<'f> {
+    layer: usize,
+    topk: Option<&'f TopK>,
+    /// The window length.
+    len: u64,
+    /// The first position the window may reach back to.
+    start: u64,
+}
+
+impl Selection<'_> {
+    /// The window positions of the query at `t`.
+    fn window_positions(&self, t: u64) -> std::ops::RangeInclusive<u64> {
+        (t + 1).saturating_sub(self.len).max(self.start)..=t
+    }
+
+    /// The compressed positions token `i` of the step selected (none without a top-k).
+    fn selected(&self, i: usize) -> Result<impl Iterator<Item = u64> + '_, Error> {
+        let row = match self.topk {
+            None => &[][..],
+            Some(tk) => tk.row(i).ok_or_else(|| Error::State {
+                layer: self.layer,
+                reason: format!("top-k of layer {} has no row for token {i}", tk.source),
+            })?,
+        };
+        Ok(row.iter().filter_map(|&j| u64::try_from(j).ok()))
+    }
+}
+
+/// Where the keys of a [`Selection`] are read: the store's row accessors.
+struct KeySource<'a, 'f> {
+    sel: Selection<'f>,
+    window: &'f dyn Fn(u64) -> Option<&'a [u8]>,
+    entry: &'f dyn Fn(u64) -> Option<&'a [u8]>,
+}
+
+impl<'a> KeySource<'a, '_> {
+    /// The window row of position `p`, read for the query at `t`.
+    fn window_row(&self, p: u64, t: u64) -> Result<&'a [u8], Error> {
+        (self.window)(p).ok_or_else(|| Error::State {
+            layer: self.sel.layer,
+            reason: format!("window row of position {p} (query {t}) is not available"),
+        })
+    }
+
+    /// Compressed entry `j`, selected by the query at `t`.
+    fn entry_row(&self, j: u64, t: u64) -> Result<&'a [u8], Error> {
+        (self.entry)(j).ok_or_else(|| Error::State {
+            layer: self.sel.layer,
+            reason: format!("compressed entry {j} selected for query {t} is not in the store"),
+        })
+    }
+}
+
 /// The CSA2 attention of a whole model: dimensions, plan, weights and per-layer rotations.
 #[derive(Clone, Debug)]
 pub struct Csa2Attention {
@@ -139,6 +194,19 @@ pub enum AttentionPath {
     Tiled,
     /// The general per-key path for every layer.
     General,
+}
+
+/// The first error of a step's chunks split over threads; a chunk that panicked is an
+/// error naming `what` worker.
+fn joined(layer: usize, what: &str, results: Vec<Option<Result<(), Error>>>) -> Result<(), Error> {
+    results.into_iter().try_for_each(|r| {
+        r.unwrap_or_else(|| {
+            Err(Error::State {
+                layer,
+                reason: format!("{what} worker thread panicked"),
+            })
+        })
+    })
 }
 
 fn check_input(
@@ -746,22 +814,14 @@ impl Csa2Attention {
         }
         let per = n.div_ceil(threads);
         let score = &score;
-        crate::threads::on_threads(scores, per * width, |c, part| {
+        let results = crate::threads::on_threads(scores, per * width, |c, part| {
             for (k, row) in part.chunks_exact_mut(width).enumerate() {
                 let i = c * per + k;
                 score(i, positions[i], row, 1)?;
             }
             Ok(())
-        })
-        .into_iter()
-        .try_for_each(|r| {
-            r.unwrap_or_else(|| {
-                Err(Error::State {
-                    layer,
-                    reason: "an indexer worker thread panicked".into(),
-                })
-            })
-        })
+        });
+        joined(layer, "an indexer", results)
     }
 
     /// Whether the indexer has the deployed shape the integer scan of `kvstack_kernels::attn`
@@ -923,22 +983,22 @@ impl Csa2Attention {
             q.len(),
         )?;
         let mut out = vec![0f32; n * d.q_width()];
-        if self.tiled_attention() {
-            self.attend_tiled(
+        let keys = KeySource {
+            sel: Selection {
                 layer,
-                q,
-                positions,
-                window,
-                entry,
                 topk,
-                window_start,
-                &w.sinks,
-                &mut out,
-            )?;
+                len: d.window as u64,
+                start: window_start,
+            },
+            window,
+            entry,
+        };
+        let sel = &keys.sel;
+        if self.tiled_attention() {
+            self.attend_tiled(layer, q, positions, &keys, &w.sinks, &mut out)?;
             return Ok(out);
         }
         let mut attn = SparseAttention::new(self.shape);
-        let win = d.window as u64;
         let hd = d.head_dim;
         // A step of several queries decodes each key once: the window rows the step reads
         // (one contiguous range) and every selected entry, into f32 rows the queries share.
@@ -946,50 +1006,34 @@ impl Csa2Attention {
         let mut edec: Vec<f32> = Vec::new();
         let mut eslot: Vec<u32> = Vec::new();
         if n > 1 {
-            wlo = (positions[0] + 1).saturating_sub(win).max(window_start);
+            wlo = *sel.window_positions(positions[0]).start();
             let whi = positions[n - 1];
             if whi >= wlo {
                 wdec = vec![0f32; (whi - wlo + 1) as usize * hd];
                 for (p, row) in (wlo..=whi).zip(wdec.chunks_exact_mut(hd)) {
-                    let bytes = window(p).ok_or_else(|| Error::State {
-                        layer,
-                        reason: format!(
-                            "window row of position {p} (queries {}..={whi}) is not available",
-                            positions[0]
-                        ),
-                    })?;
+                    // The first query that reads row `p`.
+                    let t = p.max(positions[0]);
                     self.shape
-                        .decode_row(KeyRow::Window(bytes), row)
+                        .decode_row(KeyRow::Window(keys.window_row(p, t)?), row)
                         .map_err(Error::kernel(layer, "sparse attention"))?;
                 }
             }
-            if let Some(tk) = topk {
-                for (i, &t) in positions.iter().enumerate() {
-                    let row = tk.row(i).ok_or_else(|| Error::State {
-                        layer,
-                        reason: format!("top-k of layer {} has no row for token {i}", tk.source),
-                    })?;
-                    for &j in row.iter().filter(|&&j| j >= 0) {
-                        let j = j as usize;
-                        if j >= eslot.len() {
-                            eslot.resize(j + 1, u32::MAX);
-                        }
-                        if eslot[j] != u32::MAX {
-                            continue;
-                        }
-                        let e = entry(j as u64).ok_or_else(|| Error::State {
-                            layer,
-                            reason: format!(
-                                "compressed entry {j} selected for query {t} is not in the store"
-                            ),
-                        })?;
-                        let at = edec.len();
-                        eslot[j] = (at / hd) as u32;
-                        edec.resize(at + hd, 0.0);
-                        self.shape
-                            .decode_row(KeyRow::Compressed(e), &mut edec[at..])
-                            .map_err(Error::kernel(layer, "sparse attention"))?;
+            for (i, &t) in positions.iter().enumerate() {
+                for j in sel.selected(i)? {
+                    let j = j as usize;
+                    if j >= eslot.len() {
+                        eslot.resize(j + 1, u32::MAX);
                     }
+                    if eslot[j] != u32::MAX {
+                        continue;
+                    }
+                    let e = keys.entry_row(j as u64, t)?;
+                    let at = edec.len();
+                    eslot[j] = (at / hd) as u32;
+                    edec.resize(at + hd, 0.0);
+                    self.shape
+                        .decode_row(KeyRow::Compressed(e), &mut edec[at..])
+                        .map_err(Error::kernel(layer, "sparse attention"))?;
                 }
             }
         }
@@ -997,22 +1041,16 @@ impl Csa2Attention {
         if n > 1 {
             // Every key is decoded: the queries are independent and may run on several threads.
             let query = |i: usize, t: u64, attn: &mut SparseAttention, o: &mut [f32]| {
-                let mut keys: Vec<KeyRow<'_>> = Vec::with_capacity(d.window + d.index_topk);
-                for p in (t + 1).saturating_sub(win).max(window_start)..=t {
+                let mut rows: Vec<KeyRow<'_>> = Vec::with_capacity(d.window + d.index_topk);
+                for p in sel.window_positions(t) {
                     let k = (p - wlo) as usize;
-                    keys.push(KeyRow::Decoded(&wdec[k * hd..(k + 1) * hd]));
+                    rows.push(KeyRow::Decoded(&wdec[k * hd..(k + 1) * hd]));
                 }
-                if let Some(tk) = topk {
-                    let row = tk.row(i).ok_or_else(|| Error::State {
-                        layer,
-                        reason: format!("top-k of layer {} has no row for token {i}", tk.source),
-                    })?;
-                    for &j in row.iter().filter(|&&j| j >= 0) {
-                        let k = eslot[j as usize] as usize;
-                        keys.push(KeyRow::Decoded(&edec[k * hd..(k + 1) * hd]));
-                    }
+                for j in sel.selected(i)? {
+                    let k = eslot[j as usize] as usize;
+                    rows.push(KeyRow::Decoded(&edec[k * hd..(k + 1) * hd]));
                 }
-                attn.run(&q[i * qw..(i + 1) * qw], &w.sinks, keys, o)
+                attn.run(&q[i * qw..(i + 1) * qw], &w.sinks, rows, o)
                     .map_err(Error::kernel(layer, "sparse attention"))
             };
             // At least 8 queries per thread: fewer do not pay for the spawn.
@@ -1033,46 +1071,23 @@ impl Csa2Attention {
                     }
                     Ok(())
                 });
-                for r in results {
-                    r.unwrap_or_else(|| {
-                        Err(Error::State {
-                            layer,
-                            reason: "an attention worker thread panicked".into(),
-                        })
-                    })?;
-                }
+                joined(layer, "an attention", results)?;
             }
             return Ok(out);
         }
-        let mut keys: Vec<KeyRow<'_>> = Vec::new();
+        let mut rows: Vec<KeyRow<'_>> = Vec::new();
         for (i, &t) in positions.iter().enumerate() {
-            keys.clear();
-            for p in (t + 1).saturating_sub(win).max(window_start)..=t {
-                let row = window(p).ok_or_else(|| Error::State {
-                    layer,
-                    reason: format!("window row of position {p} (query {t}) is not available"),
-                })?;
-                keys.push(KeyRow::Window(row));
+            rows.clear();
+            for p in sel.window_positions(t) {
+                rows.push(KeyRow::Window(keys.window_row(p, t)?));
             }
-            if let Some(tk) = topk {
-                let row = tk.row(i).ok_or_else(|| Error::State {
-                    layer,
-                    reason: format!("top-k of layer {} has no row for token {i}", tk.source),
-                })?;
-                for &j in row.iter().filter(|&&j| j >= 0) {
-                    let e = entry(j as u64).ok_or_else(|| Error::State {
-                        layer,
-                        reason: format!(
-                            "compressed entry {j} selected for query {t} is not in the store"
-                        ),
-                    })?;
-                    keys.push(KeyRow::Compressed(e));
-                }
+            for j in sel.selected(i)? {
+                rows.push(KeyRow::Compressed(keys.entry_row(j, t)?));
             }
             attn.run(
                 &q[i * qw..(i + 1) * qw],
                 &w.sinks,
-                keys.iter().copied(),
+                rows.iter().copied(),
                 &mut out[i * qw..(i + 1) * qw],
             )
             .map_err(Error::kernel(layer, "sparse attention"))?;
@@ -1088,23 +1103,21 @@ impl Csa2Attention {
     /// thread count (queries are split between threads; a lone query's heads at most one
     /// thread per 32-head group, which the kernel keeps bit-identical to one thread), so
     /// decoding token by token reproduces a prefill bit for bit, as on the general path.
-    #[allow(clippy::too_many_arguments)]
     fn attend_tiled<'a>(
         &self,
         layer: usize,
         q: &[f32],
         positions: &[u64],
-        window: &dyn Fn(u64) -> Option<&'a [u8]>,
-        entry: &dyn Fn(u64) -> Option<&'a [u8]>,
-        topk: Option<&TopK>,
-        window_start: u64,
+        keys: &KeySource<'a, '_>,
         sinks: &[f32],
         out: &mut [f32],
     ) -> Result<(), Error> {
         let d = &self.dims;
         let qw = d.q_width();
-        let win = d.window as u64;
-        let state = |reason: String| Error::State { layer, reason };
+        let size = |what: String, len: usize, want: usize| Error::State {
+            layer,
+            reason: format!("{what} has {len} bytes, not {want}"),
+        };
         // The store's rows are resolved on this thread (its accessors need not be `Sync`);
         // the kernel calls may then run anywhere.
         let resolve = |i: usize, t: u64| -> Result<QueryRows<'a>, Error> {
@@ -1112,43 +1125,27 @@ impl Csa2Attention {
                 window: Vec::with_capacity(d.window),
                 entries: Vec::new(),
             };
-            for p in (t + 1).saturating_sub(win).max(window_start)..=t {
-                let bytes = window(p).ok_or_else(|| {
-                    state(format!(
-                        "window row of position {p} (query {t}) is not available"
-                    ))
-                })?;
+            for p in keys.sel.window_positions(t) {
+                let bytes = keys.window_row(p, t)?;
                 let row = WindowFp8Entry::ref_from_bytes(bytes).map_err(|_| {
-                    state(format!(
-                        "window row of position {p} has {} bytes, not {}",
+                    size(
+                        format!("window row of position {p}"),
                         bytes.len(),
-                        WindowFp8Entry::BYTES
-                    ))
+                        WindowFp8Entry::BYTES,
+                    )
                 })?;
                 r.window.push(std::slice::from_ref(row));
             }
-            if let Some(tk) = topk {
-                let row = tk.row(i).ok_or_else(|| {
-                    state(format!(
-                        "top-k of layer {} has no row for token {i}",
-                        tk.source
-                    ))
+            for j in keys.sel.selected(i)? {
+                let bytes = keys.entry_row(j, t)?;
+                let e = GlobalFp4Entry::ref_from_bytes(bytes).map_err(|_| {
+                    size(
+                        format!("compressed entry {j}"),
+                        bytes.len(),
+                        GlobalFp4Entry::BYTES,
+                    )
                 })?;
-                for &j in row.iter().filter(|&&j| j >= 0) {
-                    let bytes = entry(j as u64).ok_or_else(|| {
-                        state(format!(
-                            "compressed entry {j} selected for query {t} is not in the store"
-                        ))
-                    })?;
-                    let e = GlobalFp4Entry::ref_from_bytes(bytes).map_err(|_| {
-                        state(format!(
-                            "compressed entry {j} has {} bytes, not {}",
-                            bytes.len(),
-                            GlobalFp4Entry::BYTES
-                        ))
-                    })?;
-                    r.entries.push(std::slice::from_ref(e));
-                }
+                r.entries.push(std::slice::from_ref(e));
             }
             Ok(r)
         };
@@ -1193,15 +1190,7 @@ impl Csa2Attention {
             }
             Ok(())
         });
-        for r in results {
-            r.unwrap_or_else(|| {
-                Err(Error::State {
-                    layer,
-                    reason: "an attention worker thread panicked".into(),
-                })
-            })?;
-        }
-        Ok(())
+        joined(layer, "an attention", results)
     }
 
     /// Inverse RoPE on `attended` (`[n, heads · head_dim]`) at `positions`, then the grouped
