@@ -7,10 +7,10 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use kvstack_firmware_interface::EntryFormat;
-use kvstack_runtime::attention::{AttentionPath, Csa2Attention, TopK};
-use kvstack_runtime::builtin::tiny_config;
+use kvstack_runtime::attention::{AttentionDims, AttentionPath, Csa2Attention, TopK};
+use kvstack_runtime::builtin::{default_config, tiny_config};
 use kvstack_runtime::model::init::random_model;
-use kvstack_runtime::plan::LayerMode;
+use kvstack_runtime::plan::{LayerMode, LayerPlan};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -197,4 +197,20 @@ fn tiled_attention_names_a_missing_row() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("has 287 bytes, not 288"), "{err}");
+}
+
+#[test]
+fn auto_path_is_tiled_at_v41_flash_dimensions() {
+    let dims = |cfg: kvstack_runtime::ModelConfig| {
+        let plan = LayerPlan::from_config(&cfg).unwrap();
+        AttentionDims::from_config(&cfg, &plan).unwrap()
+    };
+    let flash = dims(default_config().unwrap());
+    assert_eq!((flash.heads, flash.head_dim), (64, 512));
+    assert!(AttentionPath::Auto.is_tiled(&flash));
+    assert!(!AttentionPath::General.is_tiled(&flash));
+    let tiny = dims(tiny_config().unwrap());
+    assert_eq!((tiny.heads, tiny.head_dim), (4, 512));
+    assert!(!AttentionPath::Auto.is_tiled(&tiny));
+    assert!(AttentionPath::Tiled.is_tiled(&tiny));
 }

@@ -196,6 +196,19 @@ pub enum AttentionPath {
     General,
 }
 
+impl AttentionPath {
+    /// Whether a model of `dims` runs its sparse attention through the tiled kernel on this
+    /// path.
+    pub fn is_tiled(self, dims: &AttentionDims) -> bool {
+        dims.head_dim == fast::HEAD_DIM
+            && match self {
+                AttentionPath::Auto => dims.heads >= 16,
+                AttentionPath::Tiled => true,
+                AttentionPath::General => false,
+            }
+    }
+}
+
 /// The first error of a step's chunks split over threads; a chunk that panicked is an
 /// error naming `what` worker.
 fn joined(layer: usize, what: &str, results: Vec<Option<Result<(), Error>>>) -> Result<(), Error> {
@@ -314,13 +327,7 @@ impl Csa2Attention {
 
     /// Whether the sparse attention runs the tiled kernel (see [`AttentionPath`]).
     pub fn tiled_attention(&self) -> bool {
-        let d = &self.dims;
-        d.head_dim == fast::HEAD_DIM
-            && match self.path {
-                AttentionPath::Auto => d.heads >= 16,
-                AttentionPath::Tiled => true,
-                AttentionPath::General => false,
-            }
+        self.path.is_tiled(&self.dims)
     }
 
     /// The layer plan.
