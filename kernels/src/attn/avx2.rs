@@ -6,7 +6,6 @@
 //! raw pointers whose bounds are checked once per call (see each SAFETY comment).
 
 use core::arch::x86_64::*;
-use std::ops::Range;
 
 use kvstack_firmware_interface::IndexMxfp4Entry;
 use kvstack_firmware_interface::element::E2M1_TIMES_TWO_I8;
@@ -397,20 +396,28 @@ struct Batch<'a> {
 }
 
 impl<'a> Batch<'a> {
-    /// The keys of `positions` (at most [`GATHER_BATCH`]); positions outside `0..visible`
-    /// (with `visible <= keys.len()`) stay invalid. One page lookup per run of consecutive
-    /// positions (a candidate pool lists whole blocks), none per key.
+    /// A batch with no valid position.
+    fn empty(stand_in: &'a IndexMxfp4Entry) -> Self {
+        Batch {
+            refs: [stand_in; GATHER_BATCH],
+            valid: 0,
+        }
+    }
+
+    /// Makes this the batch of `positions` (at most [`GATHER_BATCH`]); positions outside
+    /// `0..visible` (with `visible <= keys.len()`) stay invalid. One page lookup per run of
+    /// consecutive positions (a candidate pool lists whole blocks), none per key. In place:
+    /// returning a new batch (520 bytes) and moving it through the ring copied it twice.
     #[inline]
     fn resolve(
+        &mut self,
         keys: Paged<'a, IndexMxfp4Entry>,
         visible: usize,
         positions: &[i32],
         stand_in: &'a IndexMxfp4Entry,
-    ) -> Self {
-        let mut b = Batch {
-            refs: [stand_in; GATHER_BATCH],
-            valid: 0,
-        };
+    ) {
+        *self = Batch::empty(stand_in);
+        let b = self;
         let valid = |p: i32| usize::try_from(p).ok().filter(|&p| p < visible);
         let mut i = 0;
         while let Some(&p) = positions.get(i) {
@@ -418,20 +425,24 @@ impl<'a> Batch<'a> {
                 i += 1;
                 continue;
             };
-            // Whole blocks of 8 consecutive positions at a time (a pool's shape), then one by one.
-            let mut len = 1;
+            // Whole blocks of 8 consecutive positions at a time from the run's start (a
+            // pool's shape: one comparison per block), then one by one.
+            let mut len = 0;
             while let Some(next) = positions.get(i + len..i + len + 8) {
                 let end = start + len + 8;
                 if end > visible || end > i32::MAX as usize {
                     break;
                 }
-                // Exact casts: every value is below `end <= i32::MAX`.
-                let want: [i32; 8] = std::array::from_fn(|j| (start + len + j) as i32);
-                if next != want {
+                // Exact cast: below `end <= i32::MAX`. Compared in registers: an expected
+                // array built on the stack and compared as a whole was read back before its
+                // stores could forward (a stall that cost more than the lookups it saves).
+                let first = (start + len) as i32;
+                if !next.iter().zip(first..).all(|(&x, want)| x == want) {
                     break;
                 }
                 len += 8;
             }
+            len = len.max(1);
             while positions
                 .get(i + len)
                 .and_then(|&x| valid(x))
@@ -450,7 +461,6 @@ impl<'a> Batch<'a> {
             }
             i += len;
         }
-        b
     }
 
     /// Prefetches into L1 the first line of each 8-key block (a pool block, spec §4) of tile
@@ -504,9 +514,9 @@ impl<'a> Batch<'a> {
 /// time; either kind alone left a cold pool's load time on top of the scoring (see
 /// docs/attention-kernels.md, "Gathered scans").
 #[target_feature(enable = "avx2,fma")]
-pub(crate) fn score_positions(
+pub(crate) fn score_positions<'k>(
     q: &IndexQuery,
-    keys: Paged<'_, IndexMxfp4Entry>,
+    keys: Paged<'k, IndexMxfp4Entry>,
     visible: usize,
     positions: &[i32],
     vnni: Option<Vnni>,
@@ -517,68 +527,62 @@ pub(crate) fn score_positions(
         return;
     };
     let n_batches = positions.len().div_ceil(GATHER_BATCH);
-    let batch_at = |b: usize| {
+    let range_of = |b: usize| {
         let lo = (b * GATHER_BATCH).min(positions.len());
-        let hi = (lo + GATHER_BATCH).min(positions.len());
-        (
-            lo..hi,
-            Batch::resolve(
-                keys,
-                visible,
-                positions.get(lo..hi).unwrap_or_default(),
-                stand_in,
-            ),
-        )
+        lo..(lo + GATHER_BATCH).min(positions.len())
     };
-    let mut ring: [Option<(Range<usize>, Batch<'_>)>; GATHER_RING] = Default::default();
+    let resolve = |batch: &mut Batch<'k>, b: usize| {
+        let p = positions.get(range_of(b)).unwrap_or_default();
+        batch.resolve(keys, visible, p, stand_in);
+    };
+    let mut ring: [Batch<'k>; GATHER_RING] = std::array::from_fn(|_| Batch::empty(stand_in));
     for b in 0..GATHER_FAR.min(n_batches) {
-        let (range, batch) = batch_at(b);
+        let batch = &mut ring[b % GATHER_RING];
+        resolve(batch, b);
         for step in 0..GATHER_BATCH / GATHER_STEP {
             batch.prefetch_blocks(step);
             if b == 0 {
                 batch.prefetch_step(step);
             }
         }
-        ring[b % GATHER_RING] = Some((range, batch));
     }
     for b in 0..n_batches {
         if b + GATHER_FAR < n_batches {
-            ring[(b + GATHER_FAR) % GATHER_RING] = Some(batch_at(b + GATHER_FAR));
+            resolve(&mut ring[(b + GATHER_FAR) % GATHER_RING], b + GATHER_FAR);
         }
-        let Some((range, cur)) = ring[b % GATHER_RING].take() else {
-            continue;
-        };
-        let Some(o) = out.get_mut(range) else {
+        let cur = &ring[b % GATHER_RING];
+        let Some(o) = out.get_mut(range_of(b)) else {
             continue;
         };
         if cur.valid == 0 {
             continue;
         }
-        let near = ring[(b + 1) % GATHER_RING].as_ref().map(|(_, n)| n);
-        let far = ring[(b + GATHER_FAR) % GATHER_RING]
-            .as_ref()
-            .filter(|_| b + GATHER_FAR < n_batches)
-            .map(|(_, n)| n);
-        let mut s = [0f32; GATHER_BATCH];
-        let steps = cur
-            .refs
-            .as_chunks::<GATHER_STEP>()
-            .0
-            .iter()
-            .zip(s.as_chunks_mut::<GATHER_STEP>().0)
-            .enumerate();
-        for (step, (t, st)) in steps {
-            if let Some(f) = far {
-                f.prefetch_blocks(step);
+        let near = (b + 1 < n_batches).then(|| &ring[(b + 1) % GATHER_RING]);
+        let far = (b + GATHER_FAR < n_batches).then(|| &ring[(b + GATHER_FAR) % GATHER_RING]);
+        let score = |dst: &mut [f32]| {
+            let steps = cur
+                .refs
+                .as_chunks::<GATHER_STEP>()
+                .0
+                .iter()
+                .zip(dst.as_chunks_mut::<GATHER_STEP>().0)
+                .enumerate();
+            for (step, (t, st)) in steps {
+                if let Some(f) = far {
+                    f.prefetch_blocks(step);
+                }
+                if let Some(n) = near {
+                    n.prefetch_step(step);
+                }
+                score_tile(q, t, vnni, st);
             }
-            if let Some(n) = near {
-                n.prefetch_step(step);
-            }
-            score_tile(q, t, vnni, st);
-        }
+        };
         if cur.valid == u64::MAX && o.len() == GATHER_BATCH {
-            o.copy_from_slice(&s);
+            // Every position valid: straight into the output.
+            score(o);
         } else {
+            let mut s = [0f32; GATHER_BATCH];
+            score(&mut s);
             for (i, (o, v)) in o.iter_mut().zip(s).enumerate() {
                 if cur.valid >> i & 1 == 1 {
                     *o = v;

@@ -92,8 +92,9 @@ pub type AttnError = crate::Error;
 /// Stored entries by position, either one contiguous slice or fixed-size pages (the paged KV
 /// cache's block table: page `k` holds positions `[k * page_entries, (k + 1) * page_entries)`).
 ///
-/// Scans walk the pages as contiguous runs; top-k gathers find a position's page with one
-/// division. A paged cache builds one from its block table: collect the page slices into a
+/// Scans walk the pages as contiguous runs; gathers find a position's page with a shift where
+/// the page size is a power of two (the runtime's are), else one division. A paged cache
+/// builds one from its block table: collect the page slices into a
 /// `Vec<&[E]>` and pass it with the page size, `Paged::pages(&pages, page_entries)`.
 pub struct Paged<'a, E> {
     repr: Repr<'a, E>,
@@ -105,7 +106,21 @@ enum Repr<'a, E> {
     Pages {
         pages: &'a [&'a [E]],
         page_entries: usize,
+        /// `log2(page_entries)` when that is a power of two: a gathered scan finds a page per
+        /// pool block, and a shift and mask cost far less than a 64-bit division.
+        shift: Option<u32>,
     },
+}
+
+impl<E> Repr<'_, E> {
+    /// Page index and offset of `pos` in a paged representation (`page_entries >= 1`).
+    #[inline]
+    fn locate(page_entries: usize, shift: Option<u32>, pos: usize) -> (usize, usize) {
+        match shift {
+            Some(s) => (pos >> s, pos & (page_entries - 1)),
+            None => (pos / page_entries, pos % page_entries),
+        }
+    }
 }
 
 impl<E> Clone for Repr<'_, E> {
@@ -128,6 +143,7 @@ impl<E> fmt::Debug for Paged<'_, E> {
         if let Repr::Pages {
             pages,
             page_entries,
+            ..
         } = self.repr
         {
             d.field("pages", &pages.len())
@@ -171,10 +187,14 @@ impl<'a, E> Paged<'a, E> {
             }
             len += p.len();
         }
+        let page_entries = page_entries.max(1);
         Ok(Paged {
             repr: Repr::Pages {
                 pages,
-                page_entries: page_entries.max(1),
+                page_entries,
+                shift: page_entries
+                    .is_power_of_two()
+                    .then(|| page_entries.trailing_zeros()),
             },
             len,
         })
@@ -198,7 +218,11 @@ impl<'a, E> Paged<'a, E> {
             Repr::Pages {
                 pages,
                 page_entries,
-            } => pages.get(pos / page_entries)?.get(pos % page_entries),
+                shift,
+            } => {
+                let (page, off) = Repr::<E>::locate(page_entries, shift, pos);
+                pages.get(page)?.get(off)
+            }
         }
     }
 
@@ -217,9 +241,10 @@ impl<'a, E> Paged<'a, E> {
                 Repr::Pages {
                     pages,
                     page_entries,
+                    shift,
                 } => {
-                    let page = pages.get(pos / page_entries)?;
-                    let off = pos % page_entries;
+                    let (page, off) = Repr::<E>::locate(page_entries, shift, pos);
+                    let page = pages.get(page)?;
                     let n = (page.len().saturating_sub(off)).min(end - pos);
                     page.get(off..off + n)?
                 }

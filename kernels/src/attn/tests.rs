@@ -315,7 +315,7 @@ fn indexer_candidates_match_the_scan() {
     let full = indexer_scores_ref(q.heads(), q.weights(), &ks, visible);
     let mut spread: Vec<i32> = (0..1200).step_by(3).collect();
     spread.push(-1);
-    // Pool-like blocks of 8: across a page boundary (pages of 100), twice the same block, one
+    // Pool-like blocks of 8: across a page boundary (pages of 100, or 64), twice the same block, one
     // across the visible end, one broken by a -1, one past the end, one descending, and a
     // block right after another so that their runs join; then a long run across page
     // boundaries and the gathered scan's batches of 64 positions, and one up to the visible
@@ -328,12 +328,19 @@ fn indexer_candidates_match_the_scan() {
     blocks.extend((40..48).rev());
     blocks.extend(150..290);
     blocks.extend(974..1000);
-    let pages: Vec<&[IndexMxfp4Entry]> = ks.chunks(100).collect();
-    let paged = Paged::pages(&pages, 100).unwrap();
-    for (level, positions) in available_levels()
-        .into_iter()
-        .flat_map(|l| [(l, &spread), (l, &blocks)])
-    {
+    // Pages of 100 find a position's page by division, pages of 64 by a shift.
+    let pages100: Vec<&[IndexMxfp4Entry]> = ks.chunks(100).collect();
+    let pages64: Vec<&[IndexMxfp4Entry]> = ks.chunks(64).collect();
+    let layouts = [
+        Paged::pages(&pages100, 100).unwrap(),
+        Paged::pages(&pages64, 64).unwrap(),
+    ];
+    let (spread, blocks) = (&spread, &blocks);
+    for (level, positions, paged) in available_levels().into_iter().flat_map(|l| {
+        layouts
+            .iter()
+            .flat_map(move |&p| [(l, spread, p), (l, blocks, p)])
+    }) {
         for threads in [1, 2] {
             let mut got = vec![0f32; positions.len()];
             let res =
