@@ -94,8 +94,8 @@ pub type AttnError = crate::Error;
 ///
 /// Scans walk the pages as contiguous runs; gathers find a position's page with a shift where
 /// the page size is a power of two (the runtime's are), else one division. A paged cache
-/// builds one from its block table: collect the page slices into a
-/// `Vec<&[E]>` and pass it with the page size, `Paged::pages(&pages, page_entries)`.
+/// builds one from its block table: collect the page slices into a `Vec<&[E]>` and pass it
+/// with the page size, `Paged::pages(&pages, page_entries)`.
 pub struct Paged<'a, E> {
     repr: Repr<'a, E>,
     len: usize,

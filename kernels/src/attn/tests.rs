@@ -315,13 +315,13 @@ fn indexer_candidates_match_the_scan() {
     let full = indexer_scores_ref(q.heads(), q.weights(), &ks, visible);
     let mut spread: Vec<i32> = (0..1200).step_by(3).collect();
     spread.push(-1);
-    // Pool-like blocks of 8: across a page boundary (pages of 100, or 64), twice the same block, one
-    // across the visible end, one broken by a -1, one past the end, one descending, and a
-    // block right after another so that their runs join; then a long run across page
-    // boundaries and the gathered scan's batches of 64 positions, and one up to the visible
-    // end that starts off the 8-alignment.
+    // Pool-like blocks of 8: across a page boundary (96 for pages of 100, 124 for pages of
+    // 64), twice the same block, one across the visible end, one broken by a -1, one past the
+    // end, one descending, and a block right after another so that their runs join; then a
+    // long run across page boundaries and the gathered scan's batches of 64 positions, and one
+    // up to the visible end that starts off the 8-alignment.
     let mut blocks: Vec<i32> = Vec::new();
-    for start in [96, 0, 96, 984, 500, 1000, 200, 208, 3000] {
+    for start in [96, 0, 96, 984, 500, 1000, 200, 208, 3000, 124] {
         blocks.extend(start..start + 8);
     }
     blocks[4 * 8 + 3] = -1;
