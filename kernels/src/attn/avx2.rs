@@ -11,7 +11,7 @@ use kvstack_firmware_interface::IndexMxfp4Entry;
 use kvstack_firmware_interface::element::E2M1_TIMES_TWO_I8;
 
 use super::Paged;
-use super::avx512::Vnni;
+use super::avx512::{SPREAD_LINES, TileLines, Vnni};
 use super::index::{IndexQuery, Prepared, score_exact};
 
 // ---------------------------------------------------------------------------------------------
@@ -331,18 +331,7 @@ fn score_tile<const N: usize>(
                 .iter()
                 .zip(out.as_chunks_mut::<L>().0)
             {
-                // SAFETY: a `Vnni` token exists only when this CPU has AVX-512 F/BW/VL and
-                // VNNI (`Vnni::detect`), which is what `index_tile16` is compiled for; the
-                // fused kernel also needs VBMI, which `Vnni::vbmi` reports.
-                let done = unsafe {
-                    (v.vbmi() && super::avx512::index_tile16_fused(&q.prep, k, o))
-                        || super::avx512::index_tile16(&q.prep, k, o)
-                };
-                if !done {
-                    for (x, key) in o.iter_mut().zip(k) {
-                        *x = score_exact(q, key);
-                    }
-                }
+                score16(q, k, v, o, None);
             }
         }
         _ => {
@@ -354,6 +343,36 @@ fn score_tile<const N: usize>(
             {
                 *o = score8(q, k);
             }
+        }
+    }
+}
+
+/// Sixteen scores with VNNI: the fused kernel (prefetching the first [`SPREAD_LINES`] of
+/// `lines` as it goes), else the per-block kernel, else the exact path. A tile the fused
+/// kernel declines has those lines prefetched here instead.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn score16(
+    q: &IndexQuery,
+    keys: &[&IndexMxfp4Entry; super::avx512::KEY_LANES],
+    v: Vnni,
+    out: &mut [f32; super::avx512::KEY_LANES],
+    lines: Option<&TileLines>,
+) {
+    // SAFETY: a `Vnni` token exists only when this CPU has AVX-512 F/BW/VL and VNNI
+    // (`Vnni::detect`), which is what both kernels are compiled for; the fused kernel also
+    // needs VBMI, which `Vnni::vbmi` reports.
+    if unsafe { v.vbmi() && super::avx512::index_tile16_fused(&q.prep, keys, out, lines) } {
+        return;
+    }
+    for &a in lines.into_iter().flat_map(|l| l.iter().take(SPREAD_LINES)) {
+        // A prefetch never faults and has no effect visible to Rust.
+        _mm_prefetch::<_MM_HINT_T0>(a);
+    }
+    // SAFETY: as above.
+    if !unsafe { super::avx512::index_tile16(&q.prep, keys, out) } {
+        for (x, key) in out.iter_mut().zip(keys) {
+            *x = score_exact(q, key);
         }
     }
 }
@@ -375,6 +394,8 @@ fn score8(q: &IndexQuery, keys: &[&IndexMxfp4Entry; 8]) -> [f32; 8] {
 const GATHER_BATCH: usize = 64;
 /// Keys scored between two prefetch steps of a gathered scan: one 16-key tile.
 const GATHER_STEP: usize = 16;
+// A step is one call of the VNNI kernels, which can take the step's prefetches.
+const _: () = assert!(GATHER_STEP == super::avx512::KEY_LANES);
 /// How many batches ahead a gathered scan resolves positions and touches each block's first
 /// line (about 3.5 us of scoring; 2 to 16 measured the same).
 const GATHER_FAR: usize = 3;
@@ -502,6 +523,54 @@ impl<'a> Batch<'a> {
             _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64));
         }
     }
+
+    /// The distinct cache lines of the keys of tile `step`, in order, padded with the last
+    /// one: what the fused kernel prefetches while it scores another tile. Each half of the
+    /// tile that is one run of consecutive keys in memory (a pool block) is a range of lines;
+    /// otherwise each key adds its first line and the line of its last byte unless the
+    /// previous key ended in it.
+    #[inline]
+    fn tile_lines(&self, step: usize) -> (TileLines, usize) {
+        const HALF: usize = GATHER_STEP / 2;
+        let line_of = |a: *const i8| a.wrapping_sub(a.addr() % 64);
+        let mut lines = [std::ptr::null(); super::avx512::TILE_LINES];
+        let mut n = 0;
+        let mut last: Option<*const i8> = None;
+        let mut push = |line: *const i8| {
+            if last.is_none_or(|l| l.addr() != line.addr()) {
+                if let Some(slot) = lines.get_mut(n) {
+                    *slot = line;
+                }
+                n += 1;
+                last = Some(line);
+            }
+        };
+        let tile = self.refs.as_chunks::<GATHER_STEP>().0.get(step);
+        for half in tile.into_iter().flat_map(|t| t.as_chunks::<HALF>().0) {
+            let first = std::ptr::from_ref(half[0]).cast::<i8>();
+            let end = std::ptr::from_ref(half[HALF - 1])
+                .cast::<i8>()
+                .wrapping_add(IndexMxfp4Entry::BYTES - 1);
+            if end.addr().wrapping_sub(first.addr()) == HALF * IndexMxfp4Entry::BYTES - 1 {
+                let mut line = line_of(first);
+                while line.addr() <= end.addr() {
+                    push(line);
+                    line = line.wrapping_add(64);
+                }
+            } else {
+                for &k in half {
+                    let p = std::ptr::from_ref(k).cast::<i8>();
+                    push(line_of(p));
+                    push(line_of(p.wrapping_add(IndexMxfp4Entry::BYTES - 1)));
+                }
+            }
+        }
+        let pad = last.unwrap_or(std::ptr::null());
+        for slot in lines.iter_mut().skip(n) {
+            *slot = pad;
+        }
+        (lines, n)
+    }
 }
 
 /// Scores the keys at `positions` into `out` (`out[i]` for `positions[i]`; positions outside
@@ -511,8 +580,13 @@ impl<'a> Batch<'a> {
 /// one tile's worth per step: the first line of every pool block (8 keys) of the batch
 /// `GATHER_FAR` ahead, and every line of the next batch. The far touches pay each block's
 /// page walk and DRAM latency early, so that the near ones, which fetch the rest, complete in
-/// time; either kind alone left a cold pool's load time on top of the scoring (see
-/// docs/attention-kernels.md, "Gathered scans").
+/// time; either kind alone left a cold pool's load time on top of the scoring.
+///
+/// With the fused VNNI kernel the near lines (18-20 a tile) go to the kernel, which issues
+/// them in four groups spread through its integer loop: issued at once before the tile they
+/// outnumbered the core's L1 miss buffers, and the prefetch that found none free held up the
+/// scoring (in one thread a cold pool took about 1.4x its time from L2; spread, about 1.1x).
+/// See docs/attention-kernels.md, "Gathered scans".
 #[target_feature(enable = "avx2,fma")]
 pub(crate) fn score_positions<'k>(
     q: &IndexQuery,
@@ -526,6 +600,8 @@ pub(crate) fn score_positions<'k>(
     let Some(stand_in) = keys.get(0).filter(|_| visible > 0) else {
         return;
     };
+    // Whether the fused kernel can serve this query (it may still decline single tiles).
+    let spread = vnni.is_some_and(Vnni::vbmi) && q.prep.fused.is_some();
     let n_batches = positions.len().div_ceil(GATHER_BATCH);
     let range_of = |b: usize| {
         let lo = (b * GATHER_BATCH).min(positions.len());
@@ -571,10 +647,24 @@ pub(crate) fn score_positions<'k>(
                 if let Some(f) = far {
                     f.prefetch_blocks(step);
                 }
-                if let Some(n) = near {
-                    n.prefetch_step(step);
+                match (near, vnni) {
+                    (Some(n), Some(v)) if spread => {
+                        let (lines, count) = n.tile_lines(step);
+                        // Lines beyond what the kernel takes (keys scattered rather than
+                        // in pool blocks) are prefetched now.
+                        for &a in lines.get(SPREAD_LINES..count).into_iter().flatten() {
+                            // A prefetch never faults and has no effect visible to Rust.
+                            _mm_prefetch::<_MM_HINT_T0>(a);
+                        }
+                        score16(q, t, v, st, Some(&lines));
+                    }
+                    _ => {
+                        if let Some(n) = near {
+                            n.prefetch_step(step);
+                        }
+                        score_tile(q, t, vnni, st);
+                    }
                 }
-                score_tile(q, t, vnni, st);
             }
         };
         if cur.valid == u64::MAX && o.len() == GATHER_BATCH {
@@ -1023,4 +1113,64 @@ pub(crate) fn int8_peak(iters: u64, seed: i32) -> i32 {
 pub(crate) fn tile_accepted(q: &IndexQuery, keys: &[&IndexMxfp4Entry; 8]) -> bool {
     let mut out = [0f32; 8];
     index_tile8(&q.prep, keys, &mut out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use zerocopy::FromZeros;
+
+    /// The 64-byte lines of a key's bytes.
+    fn key_lines(k: &IndexMxfp4Entry) -> std::ops::RangeInclusive<usize> {
+        let a = std::ptr::from_ref(k).addr();
+        a / 64..=(a + IndexMxfp4Entry::BYTES - 1) / 64
+    }
+
+    /// `tile_lines` (prefetch addresses only, so a bug would cost time, not results) lists
+    /// every line of a tile's keys once, in order, whether a half of the tile is one run in
+    /// memory (a range of lines) or not (per key), and pads with the last line.
+    #[test]
+    fn tile_lines_lists_each_line_of_a_tile_once() {
+        // Pages allocated one by one, so a run across a page boundary is two runs in memory.
+        let pages: Vec<Vec<IndexMxfp4Entry>> = (0..8)
+            .map(|_| vec![IndexMxfp4Entry::new_zeroed(); 64])
+            .collect();
+        for p in &pages {
+            assert_eq!(p.as_ptr().addr() % 4, 0, "keys at 4-byte-aligned offsets");
+        }
+        let refs: Vec<&[IndexMxfp4Entry]> = pages.iter().map(|p| &p[..]).collect();
+        let keys = Paged::pages(&refs, 64).unwrap();
+        let mut positions: Vec<i32> = Vec::new();
+        // Tile 0: a pool block, then a block across a page boundary.
+        positions.extend(16..24);
+        positions.extend(60..68);
+        // Tile 1: scattered keys, then a descending run.
+        positions.extend([0, 70, 140, 210, 280, 350, 420, 490]);
+        positions.extend((100..108).rev());
+        // Tile 2: two blocks one after the other (one run of 16); tile 3: invalid positions
+        // (the batch's stand-in key) around one valid key.
+        positions.extend(200..216);
+        positions.extend([-1, 5000, 7, -1, -1, -1, -1, -1]);
+        positions.extend([-1; 8]);
+        let stand_in = keys.get(0).unwrap();
+        let mut batch = Batch::empty(stand_in);
+        batch.resolve(keys, keys.len(), &positions, stand_in);
+        for (step, tile) in batch.refs.as_chunks::<GATHER_STEP>().0.iter().enumerate() {
+            let mut want: Vec<usize> = Vec::new();
+            for k in tile {
+                for line in key_lines(k) {
+                    if want.last() != Some(&line) {
+                        want.push(line);
+                    }
+                }
+            }
+            let (lines, n) = batch.tile_lines(step);
+            let got: Vec<usize> = lines.iter().take(n).map(|l| l.addr() / 64).collect();
+            assert_eq!(got, want, "tile {step}");
+            let last = want.last().copied();
+            for l in lines.iter().skip(n) {
+                assert_eq!(Some(l.addr() / 64), last, "tile {step} padding");
+            }
+        }
+    }
 }

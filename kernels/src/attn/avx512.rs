@@ -460,6 +460,22 @@ fn outside_fast_path(lim: FastLimits, emin: __m512i, emax: __m512i, span: i32) -
 /// Keys per tile of [`index_tile16`]: one per 32-bit lane.
 pub(crate) const KEY_LANES: usize = 16;
 
+/// Cache lines a tile's keys can span: two per key, as a 68-byte key at a 4-byte-aligned
+/// offset spans two 64-byte lines.
+pub(crate) const TILE_LINES: usize = 2 * KEY_LANES;
+
+/// Lines prefetched at each of the fused kernel's four prefetch points: a tile of two pool
+/// blocks (8 consecutive keys, 9 or 10 lines each) fits in the first [`SPREAD_LINES`] of a
+/// [`TileLines`] list.
+const LINES_PER_POINT: usize = 5;
+
+/// How many lines of a [`TileLines`] list [`index_tile16_fused`] prefetches.
+pub(crate) const SPREAD_LINES: usize = 4 * LINES_PER_POINT;
+
+/// Addresses of cache lines to prefetch (any address: a prefetch never faults); the fused
+/// kernel takes the first [`SPREAD_LINES`].
+pub(crate) type TileLines = [*const i8; TILE_LINES];
+
 /// Scores sixteen keys with VNNI, lanes = keys; `false` (and nothing written) when the tile's
 /// scale exponents are outside the fast path's window (see [`super::IndexQuery`]), so the
 /// caller must use the exact path.
@@ -573,11 +589,17 @@ static FUSED_LUT: [u8; 64] = fused_lut();
 /// into 16 accumulators per pass of 16 heads, and no per-block conversion or scaling. The
 /// epilogue is `U = relu(f32(I)) * fw[h]` summed in head order, times `2^(ekmin - 129)`;
 /// [`super::index::FusedLimits`] says why these are the reference's bits.
+///
+/// With `lines`, the kernel also prefetches the first [`SPREAD_LINES`] of them into L1,
+/// [`LINES_PER_POINT`] at each of four points spread through its integer loop (a gathered
+/// scan passes the lines of a tile it scores a few tiles later). The prefetches change
+/// nothing but timing.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma")]
 pub(crate) fn index_tile16_fused(
     p: &Prepared,
     keys: &[&IndexMxfp4Entry; KEY_LANES],
     out: &mut [f32; KEY_LANES],
+    lines: Option<&TileLines>,
 ) -> bool {
     let (Some(lim), Some(fl)) = (p.fast, p.fused) else {
         return false;
@@ -612,9 +634,20 @@ pub(crate) fn index_tile16_fused(
         let heads = 16 * hc..16 * hc + 16;
         let (fq, foff, fw) = (&p.fq[heads.clone()], &p.foff[heads.clone()], &p.fw[heads]);
         let mut acc: [__m512i; 16] = std::array::from_fn(|i| _mm512_set1_epi32(foff[i]));
-        for (g, kg) in kv.iter().enumerate() {
-            for (a, q) in acc.iter_mut().zip(fq) {
-                *a = _mm512_dpbusd_epi32(*a, *kg, _mm512_set1_epi32(q[g] as i32));
+        // Two halves of the 32 key groups, each followed by a prefetch point.
+        for (c, half) in kv.as_chunks::<16>().0.iter().enumerate() {
+            for (gh, kg) in half.iter().enumerate() {
+                let g = 16 * c + gh;
+                for (a, q) in acc.iter_mut().zip(fq) {
+                    *a = _mm512_dpbusd_epi32(*a, *kg, _mm512_set1_epi32(q[g] as i32));
+                }
+            }
+            if let Some(l) = lines {
+                let point = 2 * hc + c;
+                for &a in l.iter().skip(LINES_PER_POINT * point).take(LINES_PER_POINT) {
+                    // A prefetch never faults and has no effect visible to Rust.
+                    _mm_prefetch::<_MM_HINT_T0>(a);
+                }
             }
         }
         for (i, (a, w)) in acc.iter().zip(fw).enumerate() {
@@ -684,7 +717,7 @@ pub(crate) fn tile16_fused_accepted(
     let mut out = [0f32; KEY_LANES];
     // SAFETY: `v.vbmi()` adds the VBMI the fused kernel needs to what the caller promises.
     v.vbmi()
-        .then(|| unsafe { index_tile16_fused(&q.prep, keys, &mut out) })
+        .then(|| unsafe { index_tile16_fused(&q.prep, keys, &mut out, None) })
 }
 
 #[cfg(test)]

@@ -311,6 +311,10 @@ fn indexer_candidates_match_the_scan() {
     let mut r = StdRng::seed_from_u64(9);
     let q = index_query(&mut r);
     let ks = keys(&mut r, 1000);
+    // The fused VNNI kernel takes these keys, so on AVX-512 the gathered scan's tiles go to
+    // it with their prefetch lists (the path a Reindex pool takes).
+    #[cfg(target_arch = "x86_64")]
+    assert_kernels_take(&q, &ks, "candidate keys", true);
     let visible = 990;
     let full = indexer_scores_ref(q.heads(), q.weights(), &ks, visible);
     let mut spread: Vec<i32> = (0..1200).step_by(3).collect();
