@@ -464,13 +464,17 @@ pub(crate) const KEY_LANES: usize = 16;
 /// offset spans two 64-byte lines.
 pub(crate) const TILE_LINES: usize = 2 * KEY_LANES;
 
-/// Lines prefetched at each of the fused kernel's four prefetch points: a tile of two pool
-/// blocks (8 consecutive keys, 9 or 10 lines each) fits in the first [`SPREAD_LINES`] of a
+/// The fused kernel's prefetch points: after each half of the key groups of each pass of 16
+/// heads.
+const PREFETCH_POINTS: usize = 2 * (INDEX_HEADS / 16);
+
+/// Lines prefetched at each of the fused kernel's prefetch points: a tile of two pool blocks
+/// (8 consecutive keys, 9 or 10 lines each) fits in the first [`SPREAD_LINES`] of a
 /// [`TileLines`] list.
 const LINES_PER_POINT: usize = 5;
 
 /// How many lines of a [`TileLines`] list [`index_tile16_fused`] prefetches.
-pub(crate) const SPREAD_LINES: usize = 4 * LINES_PER_POINT;
+pub(crate) const SPREAD_LINES: usize = PREFETCH_POINTS * LINES_PER_POINT;
 
 /// Addresses of cache lines to prefetch (any address: a prefetch never faults); the fused
 /// kernel takes the first [`SPREAD_LINES`].
@@ -591,7 +595,7 @@ static FUSED_LUT: [u8; 64] = fused_lut();
 /// [`super::index::FusedLimits`] says why these are the reference's bits.
 ///
 /// With `lines`, the kernel also prefetches the first [`SPREAD_LINES`] of them into L1,
-/// [`LINES_PER_POINT`] at each of four points spread through its integer loop (a gathered
+/// [`LINES_PER_POINT`] at each of [`PREFETCH_POINTS`] points spread through its integer loop (a gathered
 /// scan passes the lines of a tile it scores a few tiles later). The prefetches change
 /// nothing but timing.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma")]
