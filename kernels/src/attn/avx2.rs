@@ -442,6 +442,16 @@ impl<'a> Batch<'a> {
         let valid = |p: i32| usize::try_from(p).ok().filter(|&p| p < visible);
         let mut i = 0;
         while let Some(&p) = positions.get(i) {
+            // A whole pool block in one page: its 8 references at once, with no run lookup
+            // (1.06-1.09x faster scans of a pool than the general path below, measured).
+            if let Some(block) = Self::block(keys, visible, positions.get(i..i + 8))
+                && let Some(slots) = b.refs.get_mut(i..i + 8)
+            {
+                slots.copy_from_slice(&block.each_ref());
+                b.valid |= run_mask(i, 8);
+                i += 8;
+                continue;
+            }
             let Some(start) = valid(p) else {
                 i += 1;
                 continue;
@@ -484,6 +494,28 @@ impl<'a> Batch<'a> {
         }
     }
 
+    /// The keys of `positions` when they are 8 consecutive visible positions in one page (a
+    /// pool block, spec §4).
+    #[inline]
+    fn block(
+        keys: Paged<'a, IndexMxfp4Entry>,
+        visible: usize,
+        positions: Option<&[i32]>,
+    ) -> Option<&'a [IndexMxfp4Entry; 8]> {
+        let p: &[i32; 8] = positions?.try_into().ok()?;
+        let first = p[0];
+        first.checked_add(7)?;
+        // Compared in registers: each position against its expected value.
+        if !p.iter().zip(first..).all(|(&x, want)| x == want) {
+            return None;
+        }
+        let start = usize::try_from(first).ok()?;
+        if start + 8 > visible {
+            return None;
+        }
+        keys.array::<8>(start)
+    }
+
     /// Prefetches into L1 the first line of each 8-key block (a pool block, spec §4) of tile
     /// `step`, and of its last key where the block crosses into another 4 KiB page.
     #[inline]
@@ -524,16 +556,49 @@ impl<'a> Batch<'a> {
         }
     }
 
-    /// The distinct cache lines of the keys of tile `step`, in order, padded with the last
-    /// one: what the fused kernel prefetches while it scores another tile. Each half of the
-    /// tile that is one run of consecutive keys in memory (a pool block) is a range of lines;
-    /// otherwise each key adds its first line and the line of its last byte unless the
-    /// previous key ended in it.
+    /// Writes into `lines` the cache lines of the keys of tile `step`, in address order
+    /// within each half of the tile, and returns how many entries to prefetch (the fused
+    /// kernel takes the first [`SPREAD_LINES`]): what the kernel prefetches while it scores
+    /// another tile. When each half is one run of consecutive keys in memory (a pool block,
+    /// 9 or 10 lines), each half fills [`SPREAD_LINES`]` / 2` entries with its range of
+    /// lines, the last repeated (the same line prefetched twice costs one fetch); built
+    /// without branches and straight into `lines`, this costs less than the general list
+    /// (1.03-1.07x faster scans of a pool, measured). Otherwise each key adds its first line
+    /// and the line of its last byte unless the previous key ended in it, entries up to
+    /// [`SPREAD_LINES`] padded with the last line.
     #[inline]
-    fn tile_lines(&self, step: usize) -> (TileLines, usize) {
+    fn tile_lines(&self, step: usize, lines: &mut TileLines) -> usize {
         const HALF: usize = GATHER_STEP / 2;
+        /// Lines per half in the pool case: a run of 8 keys spans at most 10 lines.
+        const PER: usize = SPREAD_LINES / 2;
+        const _: () = assert!((63 + HALF * IndexMxfp4Entry::BYTES).div_ceil(64) <= PER);
         let line_of = |a: *const i8| a.wrapping_sub(a.addr() % 64);
-        let mut lines = [std::ptr::null(); super::avx512::TILE_LINES];
+        let Some(tile) = self.refs.as_chunks::<GATHER_STEP>().0.get(step) else {
+            return 0;
+        };
+        // Each half's first byte and last byte.
+        let bounds = |half: &[&IndexMxfp4Entry; HALF]| {
+            let first = std::ptr::from_ref(half[0]).cast::<i8>();
+            let end = std::ptr::from_ref(half[HALF - 1])
+                .cast::<i8>()
+                .wrapping_add(IndexMxfp4Entry::BYTES - 1);
+            (first, end)
+        };
+        let halves = tile.as_chunks::<HALF>().0;
+        let is_run = |(first, end): (*const i8, *const i8)| {
+            end.addr().wrapping_sub(first.addr()) == HALF * IndexMxfp4Entry::BYTES - 1
+        };
+        if halves.iter().all(|h| is_run(bounds(h))) {
+            for (half, slots) in halves.iter().zip(lines.as_chunks_mut::<PER>().0) {
+                let (first, end) = bounds(half);
+                let base = line_of(first);
+                let span = line_of(end).addr().wrapping_sub(base.addr());
+                for (i, slot) in slots.iter_mut().enumerate() {
+                    *slot = base.wrapping_add((64 * i).min(span));
+                }
+            }
+            return SPREAD_LINES;
+        }
         let mut n = 0;
         let mut last: Option<*const i8> = None;
         let mut push = |line: *const i8| {
@@ -545,13 +610,9 @@ impl<'a> Batch<'a> {
                 last = Some(line);
             }
         };
-        let tile = self.refs.as_chunks::<GATHER_STEP>().0.get(step);
-        for half in tile.into_iter().flat_map(|t| t.as_chunks::<HALF>().0) {
-            let first = std::ptr::from_ref(half[0]).cast::<i8>();
-            let end = std::ptr::from_ref(half[HALF - 1])
-                .cast::<i8>()
-                .wrapping_add(IndexMxfp4Entry::BYTES - 1);
-            if end.addr().wrapping_sub(first.addr()) == HALF * IndexMxfp4Entry::BYTES - 1 {
+        for half in halves {
+            let (first, end) = bounds(half);
+            if is_run((first, end)) {
                 let mut line = line_of(first);
                 while line.addr() <= end.addr() {
                     push(line);
@@ -566,10 +627,10 @@ impl<'a> Batch<'a> {
             }
         }
         let pad = last.unwrap_or(std::ptr::null());
-        for slot in lines.iter_mut().skip(n) {
+        for slot in lines.iter_mut().take(SPREAD_LINES).skip(n) {
             *slot = pad;
         }
-        (lines, n)
+        n
     }
 }
 
@@ -636,6 +697,8 @@ pub(crate) fn score_positions<'k>(
         let near = (b + 1 < n_batches).then(|| &ring[(b + 1) % GATHER_RING]);
         let far = (b + GATHER_FAR < n_batches).then(|| &ring[(b + GATHER_FAR) % GATHER_RING]);
         let score = |dst: &mut [f32]| {
+            // Filled per tile by `tile_lines`; kept across tiles, not rebuilt.
+            let mut lines: TileLines = [std::ptr::null(); super::avx512::TILE_LINES];
             let steps = cur
                 .refs
                 .as_chunks::<GATHER_STEP>()
@@ -649,7 +712,7 @@ pub(crate) fn score_positions<'k>(
                 }
                 match (near, vnni) {
                     (Some(n), Some(v)) if spread => {
-                        let (lines, count) = n.tile_lines(step);
+                        let count = n.tile_lines(step, &mut lines);
                         // Lines beyond what the kernel takes (keys scattered rather than
                         // in pool blocks) are prefetched now.
                         for &a in lines.get(SPREAD_LINES..count).into_iter().flatten() {
@@ -1127,10 +1190,12 @@ mod tests {
     }
 
     /// `tile_lines` (prefetch addresses only, so a bug would cost time, not results) lists
-    /// every line of a tile's keys once, in order, whether a half of the tile is one run in
-    /// memory (a range of lines) or not (per key), and pads with the last line.
+    /// every line of a tile's keys and no other, in order, whether a half of the tile is one
+    /// run in memory (a range of lines) or not (per key): in a tile of two runs (pool blocks)
+    /// within the fused kernel's prefetches, a line possibly repeated; otherwise each line
+    /// once, padded with the last one.
     #[test]
-    fn tile_lines_lists_each_line_of_a_tile_once() {
+    fn tile_lines_lists_every_line_of_a_tile() {
         // Pages allocated one by one, so a run across a page boundary is two runs in memory.
         let pages: Vec<Vec<IndexMxfp4Entry>> = (0..8)
             .map(|_| vec![IndexMxfp4Entry::new_zeroed(); 64])
@@ -1140,37 +1205,72 @@ mod tests {
         }
         let refs: Vec<&[IndexMxfp4Entry]> = pages.iter().map(|p| &p[..]).collect();
         let keys = Paged::pages(&refs, 64).unwrap();
-        let mut positions: Vec<i32> = Vec::new();
+        let mut first: Vec<i32> = Vec::new();
         // Tile 0: a pool block, then a block across a page boundary.
-        positions.extend(16..24);
-        positions.extend(60..68);
+        first.extend(16..24);
+        first.extend(60..68);
         // Tile 1: scattered keys, then a descending run.
-        positions.extend([0, 70, 140, 210, 280, 350, 420, 490]);
-        positions.extend((100..108).rev());
+        first.extend([0, 70, 140, 210, 280, 350, 420, 490]);
+        first.extend((100..108).rev());
         // Tile 2: two blocks one after the other (one run of 16); tile 3: invalid positions
         // (the batch's stand-in key) around one valid key.
-        positions.extend(200..216);
-        positions.extend([-1, 5000, 7, -1, -1, -1, -1, -1]);
-        positions.extend([-1; 8]);
+        first.extend(200..216);
+        first.extend([-1, 5000, 7, -1, -1, -1, -1, -1]);
+        first.extend([-1; 8]);
+        // Pool blocks apart in one page, at each offset in a line (68 B keys: a block starts
+        // 4 B further into its line per key it is moved by): 9- and 10-line blocks.
+        let second: Vec<i32> = [256, 300, 321, 362, 385, 434, 450, 497]
+            .iter()
+            .flat_map(|&b| b..b + 8)
+            .collect();
         let stand_in = keys.get(0).unwrap();
         let mut batch = Batch::empty(stand_in);
-        batch.resolve(keys, keys.len(), &positions, stand_in);
-        for (step, tile) in batch.refs.as_chunks::<GATHER_STEP>().0.iter().enumerate() {
-            let mut want: Vec<usize> = Vec::new();
-            for k in tile {
-                for line in key_lines(k) {
-                    if want.last() != Some(&line) {
-                        want.push(line);
+        let mut lines: TileLines = [std::ptr::null(); super::super::avx512::TILE_LINES];
+        let (mut run_tiles, mut spans) = (0, std::collections::BTreeSet::new());
+        for (which, positions) in [first, second].iter().enumerate() {
+            batch.resolve(keys, keys.len(), positions, stand_in);
+            for (step, tile) in batch.refs.as_chunks::<GATHER_STEP>().0.iter().enumerate() {
+                let at = format!("batch {which} tile {step}");
+                let mut want: Vec<usize> = Vec::new();
+                for k in tile {
+                    for line in key_lines(k) {
+                        if want.last() != Some(&line) {
+                            want.push(line);
+                        }
+                    }
+                }
+                let n = batch.tile_lines(step, &mut lines);
+                let listed: Vec<usize> = lines.iter().take(n).map(|l| l.addr() / 64).collect();
+                let mut got = listed.clone();
+                got.dedup();
+                assert_eq!(got, want, "{at}");
+                let runs = tile.as_chunks::<8>().0.iter().all(|h| {
+                    let a = std::ptr::from_ref(h[0]).addr();
+                    h.iter().enumerate().all(|(i, k)| {
+                        std::ptr::from_ref(*k).addr() == a + i * IndexMxfp4Entry::BYTES
+                    })
+                });
+                if runs {
+                    assert_eq!(
+                        n, SPREAD_LINES,
+                        "{at}: two runs fill the kernel's prefetches"
+                    );
+                    run_tiles += 1;
+                    for h in tile.as_chunks::<8>().0 {
+                        spans.insert(key_lines(h[7]).end() + 1 - key_lines(h[0]).start());
+                    }
+                } else {
+                    assert_eq!(listed, want, "{at}: each line once");
+                    let last = want.last().copied();
+                    for l in lines.iter().take(SPREAD_LINES).skip(n) {
+                        assert_eq!(Some(l.addr() / 64), last, "{at} padding");
                     }
                 }
             }
-            let (lines, n) = batch.tile_lines(step);
-            let got: Vec<usize> = lines.iter().take(n).map(|l| l.addr() / 64).collect();
-            assert_eq!(got, want, "tile {step}");
-            let last = want.last().copied();
-            for l in lines.iter().skip(n) {
-                assert_eq!(Some(l.addr() / 64), last, "tile {step} padding");
-            }
         }
+        // Tile 2 of the first batch and every tile of the second took the runs' branch, with
+        // blocks of both spans.
+        assert_eq!(run_tiles, 5);
+        assert!(spans.contains(&9) && spans.contains(&10), "{spans:?}");
     }
 }

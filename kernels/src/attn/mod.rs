@@ -226,6 +226,23 @@ impl<'a, E> Paged<'a, E> {
         }
     }
 
+    /// The `N` entries from `pos` when they lie in one page (or the one run), else `None`.
+    #[inline]
+    pub(crate) fn array<const N: usize>(&self, pos: usize) -> Option<&'a [E; N]> {
+        let run = match self.repr {
+            Repr::Contiguous(s) => s.get(pos..pos.checked_add(N)?)?,
+            Repr::Pages {
+                pages,
+                page_entries,
+                shift,
+            } => {
+                let (page, off) = Repr::<E>::locate(page_entries, shift, pos);
+                pages.get(page)?.get(off..off + N)?
+            }
+        };
+        run.try_into().ok()
+    }
+
     /// The entries of `range` (clamped to [`Paged::len`]) as contiguous runs, in position
     /// order, each with the position of its first entry.
     pub fn runs(&self, range: Range<usize>) -> impl Iterator<Item = (usize, &'a [E])> + 'a {

@@ -320,24 +320,27 @@ fn indexer_candidates_match_the_scan() {
     let mut spread: Vec<i32> = (0..1200).step_by(3).collect();
     spread.push(-1);
     // Pool-like blocks of 8: across a page boundary (96 for pages of 100, 124 for pages of
-    // 64), twice the same block, one across the visible end, one broken by a -1, one past the
-    // end, one descending, and a block right after another so that their runs join; then a
+    // 64), twice the same block, one across the visible end, one ending on it and one a
+    // position past it, one broken by a -1, one past the end, one descending, and a block
+    // right after another so that their runs join; then a
     // long run across page boundaries and the gathered scan's batches of 64 positions, and one
     // up to the visible end that starts off the 8-alignment.
     let mut blocks: Vec<i32> = Vec::new();
-    for start in [96, 0, 96, 984, 500, 1000, 200, 208, 3000, 124] {
+    for start in [96, 0, 96, 984, 500, 1000, 200, 208, 3000, 124, 982, 983] {
         blocks.extend(start..start + 8);
     }
     blocks[4 * 8 + 3] = -1;
     blocks.extend((40..48).rev());
     blocks.extend(150..290);
     blocks.extend(974..1000);
-    // Pages of 100 find a position's page by division, pages of 64 by a shift.
+    // Pages of 100 find a position's page by division, pages of 64 by a shift; one run has
+    // no pages.
     let pages100: Vec<&[IndexMxfp4Entry]> = ks.chunks(100).collect();
     let pages64: Vec<&[IndexMxfp4Entry]> = ks.chunks(64).collect();
     let layouts = [
         Paged::pages(&pages100, 100).unwrap(),
         Paged::pages(&pages64, 64).unwrap(),
+        Paged::contiguous(&ks),
     ];
     let (spread, blocks) = (&spread, &blocks);
     for (level, positions, paged) in available_levels().into_iter().flat_map(|l| {
