@@ -9,6 +9,7 @@
 //! - Every entry point has a `_with(level, ..)` form that forces a level (for tests and
 //!   benchmarks); the plain forms use [`detected_level`], chosen once per process.
 //! - [`mod@bench`]: throughput against memcpy and memory-read bandwidth measured in the same run.
+//! - [`par`]: the few parallel tasks of a decode step on rayon's pool, with a short wait.
 //! - [`csa2`]: the CSA2 attention building blocks of spec §4 at any width (GEMM, RMSNorm, RoPE
 //!   with YaRN, compressor, indexer, top-k, candidate pool, sparse attention, output
 //!   projection), each with a reference form its fast form is tested against.
@@ -47,6 +48,7 @@ pub mod dot;
 mod error;
 mod level;
 pub mod model;
+pub mod par;
 mod portable;
 mod scalar;
 #[cfg(target_arch = "x86_64")]

@@ -300,13 +300,8 @@ impl<E: FromBytes + IntoBytes + zerocopy::Immutable + zerocopy::KnownLayout> Cac
 /// VM, waking a parked worker on an idle vCPU takes 0.1-0.4 ms, which a single timed call
 /// after an OS-thread probe would otherwise pay every time.
 fn on_threads(threads: usize, f: impl Fn(usize) + Sync) {
-    rayon::in_place_scope(|s| {
-        for i in 1..threads {
-            let f = &f;
-            s.spawn(move |_| f(i));
-        }
-        f(0);
-    });
+    let f = &f;
+    crate::par::run_tasks((0..threads.max(1)).map(|i| move || f(i)));
 }
 
 /// Reads every cache line of the pool's keys (blocks of [`POOL_BLOCK`] consecutive

@@ -380,12 +380,8 @@ fn share<I: Send>(t: usize, items: impl Iterator<Item = I> + Send, work: impl Fn
             work(item);
         }
     };
-    rayon::in_place_scope(|s| {
-        for _ in 1..t {
-            s.spawn(|_| worker());
-        }
-        worker();
-    });
+    let worker = &worker;
+    crate::par::run_tasks((0..t).map(|_| move || worker()));
 }
 
 /// Index scores of every stored key: `out[s] = I(s)` for `s < visible`, `-inf` for the

@@ -148,8 +148,8 @@ pub(crate) fn decode(
     }
     let rows = gather_rows(input)?;
     let plan = Split::new(heads, rows.len(), thread_count(threads));
-    // Head groups run as tasks of one scope (the first on this thread, the others on the
-    // worker pool, see `thread_count`); a task's panic (a bug) is passed on by the scope.
+    // Head groups run as tasks of `run_tasks` (the first on this thread, the others on the
+    // worker pool, see `thread_count`); a task's panic (a bug) is passed on.
     let mut outs: Vec<(usize, &mut [[f32; HEAD_DIM]])> = Vec::with_capacity(plan.groups);
     let mut rest = out;
     let mut h0 = 0;
@@ -161,16 +161,10 @@ pub(crate) fn decode(
         rest = r;
     }
     let rows = &rows[..];
-    rayon::in_place_scope(|s| {
-        let mut work = outs.into_iter();
-        let first = work.next();
-        for (h0, o) in work {
-            s.spawn(move |_| attend_group(level, input, h0, rows, plan.row_chunks, o));
-        }
-        if let Some((h0, o)) = first {
-            attend_group(level, input, h0, rows, plan.row_chunks, o);
-        }
-    });
+    crate::par::run_tasks(
+        outs.into_iter()
+            .map(|(h0, o)| move || attend_group(level, input, h0, rows, plan.row_chunks, o)),
+    );
     Ok(())
 }
 
@@ -236,17 +230,13 @@ fn attend_group(
     let chunk = rows.len().div_ceil(chunks.max(1)).max(1);
     let pieces: Vec<&[KvRow<'_>]> = rows.chunks(chunk).collect();
     let mut slots: Vec<Option<Partial>> = (0..pieces.len()).map(|_| None).collect();
-    rayon::in_place_scope(|s| {
-        let mut work = slots.iter_mut().zip(&pieces);
-        let first = work.next();
-        for (slot, c) in work {
-            let prep = &prep;
-            s.spawn(move |_| *slot = Some(attend(level, prep, c)));
-        }
-        if let Some((slot, c)) = first {
-            *slot = Some(attend(level, &prep, c));
-        }
-    });
+    let prep = &prep;
+    crate::par::run_tasks(
+        slots
+            .iter_mut()
+            .zip(&pieces)
+            .map(|(slot, c)| move || *slot = Some(attend(level, prep, c))),
+    );
     let mut parts: Vec<Partial> = slots.into_iter().flatten().collect();
     if parts.is_empty() {
         parts.push(Partial::new(prep.hp));

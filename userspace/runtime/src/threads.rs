@@ -1,8 +1,9 @@
 //! Splitting independent work over threads (attention rows, batch members, MoE experts).
 //!
 //! The chunks run on rayon's global pool (one worker per CPU, started once), the first on the
-//! calling thread: starting an OS thread per chunk, as a decode step did before, costs 70-400
-//! us on the VMs measured, as much as a chunk's work.
+//! calling thread, through `kvstack_kernels::par::run_tasks` (which waits for the others
+//! without sleeping for a short while): starting an OS thread per chunk, as a decode step did
+//! before, costs 70-400 us on the VMs measured, as much as a chunk's work.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
@@ -22,16 +23,13 @@ where
     let run = move |c: usize, part: &mut [T]| catch_unwind(AssertUnwindSafe(|| f(c, part))).ok();
     let chunks: Vec<&mut [T]> = data.chunks_mut(chunk_len.max(1)).collect();
     let mut results: Vec<Option<R>> = (0..chunks.len()).map(|_| None).collect();
-    rayon::in_place_scope(|s| {
-        let mut work = results.iter_mut().zip(chunks).enumerate();
-        let first = work.next();
-        for (c, (slot, part)) in work {
-            s.spawn(move |_| *slot = run(c, part));
-        }
-        if let Some((c, (slot, part))) = first {
-            *slot = run(c, part);
-        }
-    });
+    kvstack_kernels::par::run_tasks(
+        results
+            .iter_mut()
+            .zip(chunks)
+            .enumerate()
+            .map(|(c, (slot, part))| move || *slot = run(c, part)),
+    );
     results
 }
 
