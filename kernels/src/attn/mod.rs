@@ -210,37 +210,35 @@ impl<'a, E> Paged<'a, E> {
         self.len == 0
     }
 
-    /// The entry at `pos`, `None` past the end.
+    /// The slice that holds position `pos` (its page, or the one run) and the offset of `pos`
+    /// in it; `None` past the last page.
     #[inline]
-    pub fn get(&self, pos: usize) -> Option<&'a E> {
+    fn slice_of(&self, pos: usize) -> Option<(&'a [E], usize)> {
         match self.repr {
-            Repr::Contiguous(s) => s.get(pos),
+            Repr::Contiguous(s) => Some((s, pos)),
             Repr::Pages {
                 pages,
                 page_entries,
                 shift,
             } => {
                 let (page, off) = Repr::<E>::locate(page_entries, shift, pos);
-                pages.get(page)?.get(off)
+                Some((pages.get(page)?, off))
             }
         }
+    }
+
+    /// The entry at `pos`, `None` past the end.
+    #[inline]
+    pub fn get(&self, pos: usize) -> Option<&'a E> {
+        let (s, off) = self.slice_of(pos)?;
+        s.get(off)
     }
 
     /// The `N` entries from `pos` when they lie in one page (or the one run), else `None`.
     #[inline]
     pub(crate) fn array<const N: usize>(&self, pos: usize) -> Option<&'a [E; N]> {
-        let run = match self.repr {
-            Repr::Contiguous(s) => s.get(pos..pos.checked_add(N)?)?,
-            Repr::Pages {
-                pages,
-                page_entries,
-                shift,
-            } => {
-                let (page, off) = Repr::<E>::locate(page_entries, shift, pos);
-                pages.get(page)?.get(off..off + N)?
-            }
-        };
-        run.try_into().ok()
+        let (s, off) = self.slice_of(pos)?;
+        s.get(off..off.checked_add(N)?)?.try_into().ok()
     }
 
     /// The entries of `range` (clamped to [`Paged::len`]) as contiguous runs, in position
@@ -248,24 +246,14 @@ impl<'a, E> Paged<'a, E> {
     pub fn runs(&self, range: Range<usize>) -> impl Iterator<Item = (usize, &'a [E])> + 'a {
         let end = range.end.min(self.len);
         let mut pos = range.start.min(end);
-        let repr = self.repr;
+        let this = *self;
         std::iter::from_fn(move || {
             if pos >= end {
                 return None;
             }
-            let run = match repr {
-                Repr::Contiguous(s) => s.get(pos..end)?,
-                Repr::Pages {
-                    pages,
-                    page_entries,
-                    shift,
-                } => {
-                    let (page, off) = Repr::<E>::locate(page_entries, shift, pos);
-                    let page = pages.get(page)?;
-                    let n = (page.len().saturating_sub(off)).min(end - pos);
-                    page.get(off..off + n)?
-                }
-            };
+            let (s, off) = this.slice_of(pos)?;
+            let n = s.len().saturating_sub(off).min(end - pos);
+            let run = s.get(off..off + n)?;
             if run.is_empty() {
                 return None;
             }
