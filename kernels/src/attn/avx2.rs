@@ -456,24 +456,9 @@ impl<'a> Batch<'a> {
                 i += 1;
                 continue;
             };
-            // Whole blocks of 8 consecutive positions at a time from the run's start (a
-            // pool's shape: one comparison per block), then one by one.
-            let mut len = 0;
-            while let Some(next) = positions.get(i + len..i + len + 8) {
-                let end = start + len + 8;
-                if end > visible || end > i32::MAX as usize {
-                    break;
-                }
-                // Exact cast: below `end <= i32::MAX`. Compared in registers: an expected
-                // array built on the stack and compared as a whole was read back before its
-                // stores could forward (a stall that cost more than the lookups it saves).
-                let first = (start + len) as i32;
-                if !next.iter().zip(first..).all(|(&x, want)| x == want) {
-                    break;
-                }
-                len += 8;
-            }
-            len = len.max(1);
+            // Other runs (a block across pages or the visible end, scattered keys) are
+            // rare enough to extend one position at a time.
+            let mut len = 1;
             while positions
                 .get(i + len)
                 .and_then(|&x| valid(x))
