@@ -37,8 +37,65 @@ pub struct AttentionArgs {
     json: bool,
 }
 
-fn to_json(r: &AttentionBenchReport) -> serde_json::Value {
+/// The CPU the bench ran on, for comparing runs across machines: the results depend on the
+/// microarchitecture (docs/attention-kernels.md has runs on several).
+#[derive(Debug, Default, PartialEq, Eq)]
+struct CpuId {
+    /// `model name` of the first CPU in `/proc/cpuinfo`.
+    model_name: Option<String>,
+    /// `cpu family` and `model` (decimal, as `/proc/cpuinfo` prints them): on VMs the model
+    /// name is often generic ("AMD EPYC"), these are not.
+    family_model: Option<(u32, u32)>,
+    /// CPUs this process may run on.
+    logical_cpus: usize,
+}
+
+impl CpuId {
+    /// This machine's; fields that cannot be read stay `None`.
+    fn probe() -> Self {
+        let mut id = std::fs::read_to_string("/proc/cpuinfo")
+            .map(|t| Self::parse(&t))
+            .unwrap_or_default();
+        id.logical_cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        id
+    }
+
+    /// The first processor's block of a `/proc/cpuinfo` text.
+    fn parse(cpuinfo: &str) -> Self {
+        let first = cpuinfo.split("\n\n").next().unwrap_or_default();
+        let field = |name: &str| {
+            first.lines().find_map(|l| {
+                let (k, v) = l.split_once(':')?;
+                (k.trim() == name).then(|| v.trim().to_owned())
+            })
+        };
+        let num = |name: &str| field(name).and_then(|v| v.parse::<u32>().ok());
+        CpuId {
+            model_name: field("model name").filter(|v| !v.is_empty()),
+            family_model: num("cpu family").zip(num("model")),
+            logical_cpus: 0,
+        }
+    }
+}
+
+impl std::fmt::Display for CpuId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.model_name.as_deref().unwrap_or("unknown CPU"))?;
+        if let Some((fam, model)) = self.family_model {
+            write!(f, " (family {fam} model {model})")?;
+        }
+        write!(f, ", {} logical CPUs", self.logical_cpus)
+    }
+}
+
+fn to_json(r: &AttentionBenchReport, cpu: &CpuId) -> serde_json::Value {
     json!({
+        "cpu": {
+            "model_name": cpu.model_name,
+            "family": cpu.family_model.map(|(f, _)| f),
+            "model": cpu.family_model.map(|(_, m)| m),
+            "logical_cpus": cpu.logical_cpus,
+        },
         "level": r.level.name(),
         "repetitions": r.repetitions,
         "limits": r.limits.iter().map(|l| json!({
@@ -93,11 +150,13 @@ pub fn run(args: &AttentionArgs) -> Result<(), CliError> {
         );
     }
     let report = run_attention_bench(&opts).map_err(CliError::Attention)?;
+    let cpu = CpuId::probe();
     let mut out = std::io::stdout().lock();
     if args.json {
-        let text = serde_json::to_string_pretty(&to_json(&report)).map_err(CliError::Json)?;
+        let text = serde_json::to_string_pretty(&to_json(&report, &cpu)).map_err(CliError::Json)?;
         writeln!(out, "{text}").map_err(CliError::Stdout)?;
     } else {
+        writeln!(out, "cpu: {cpu}").map_err(CliError::Stdout)?;
         write!(out, "{report}").map_err(CliError::Stdout)?;
         writeln!(
             out,
@@ -117,5 +176,34 @@ pub fn run(args: &AttentionArgs) -> Result<(), CliError> {
             .map(|r| format!("{} {} x{}: {:.2}", r.case, r.part, r.threads, r.ratio))
             .collect();
         Err(CliError::TargetsMissed(missed.join("; ")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_id_reads_the_first_processor() {
+        let text = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n\
+                    model name\t: AMD EPYC\nflags\t\t: fpu avx512f\n\n\
+                    processor\t: 1\ncpu family\t: 6\nmodel\t\t: 207\nmodel name\t: Other\n";
+        let id = CpuId::parse(text);
+        assert_eq!(id.model_name.as_deref(), Some("AMD EPYC"));
+        assert_eq!(id.family_model, Some((25, 17)));
+        let shown = CpuId {
+            logical_cpus: 2,
+            ..id
+        }
+        .to_string();
+        assert_eq!(shown, "AMD EPYC (family 25 model 17), 2 logical CPUs");
+    }
+
+    #[test]
+    fn cpu_id_without_the_fields_is_unknown() {
+        // e.g. an aarch64 /proc/cpuinfo: no `model name`, no `cpu family`.
+        let id = CpuId::parse("processor\t: 0\nBogoMIPS\t: 50.00\nCPU part\t: 0xd0c\n");
+        assert_eq!(id, CpuId::default());
+        assert_eq!(id.to_string(), "unknown CPU, 0 logical CPUs");
     }
 }
