@@ -58,6 +58,45 @@ pub fn parse_thp_mode(text: &str) -> Option<String> {
     Some(text[start + 1..end].to_owned())
 }
 
+/// The CPU as the first processor's block of `/proc/cpuinfo` names it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct CpuIdentity {
+    /// `model name` (x86; absent on e.g. aarch64).
+    pub model_name: Option<String>,
+    /// `cpu family` (decimal). On VMs the model name is often generic ("AMD EPYC"); family
+    /// and model still tell the microarchitecture apart.
+    pub family: Option<u32>,
+    /// `model` (decimal).
+    pub model: Option<u32>,
+}
+
+/// Parses `/proc/cpuinfo` text: the first processor's `model name`, `cpu family` and `model`.
+/// Missing or malformed fields read as `None`.
+pub fn parse_cpuinfo(text: &str) -> CpuIdentity {
+    let first = text.split("\n\n").next().unwrap_or_default();
+    let field = |name: &str| {
+        first.lines().find_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            (k.trim() == name).then(|| v.trim())
+        })
+    };
+    let num = |name: &str| field(name).and_then(|v| v.parse::<u32>().ok());
+    CpuIdentity {
+        model_name: field("model name")
+            .filter(|v| !v.is_empty())
+            .map(str::to_owned),
+        family: num("cpu family"),
+        model: num("model"),
+    }
+}
+
+/// This machine's [`CpuIdentity`]; all `None` if `/proc/cpuinfo` cannot be read.
+pub fn cpu_identity() -> CpuIdentity {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .map(|t| parse_cpuinfo(&t))
+        .unwrap_or_default()
+}
+
 /// Resident-set sizes of this process from `/proc/self/status`, in bytes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct Rss {
@@ -365,12 +404,7 @@ pub struct HostReport {
 
 /// Runs every host probe. `data_dir` is where kvstack would keep its SSD tier.
 pub fn probe_host(data_dir: &Path) -> HostReport {
-    let cpu_model = std::fs::read_to_string("/proc/cpuinfo").ok().and_then(|t| {
-        t.lines()
-            .find(|l| l.starts_with("model name"))
-            .and_then(|l| l.split_once(':'))
-            .map(|(_, v)| v.trim().to_owned())
-    });
+    let cpu_model = cpu_identity().model_name;
     let logical_cpus = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(1);
@@ -421,6 +455,27 @@ Hugepagesize:       2048 kB\n";
         assert_eq!(m.huge_pages_total, 4);
         assert_eq!(m.huge_pages_free, 3);
         assert_eq!(m.huge_page_bytes, 2 << 20);
+    }
+
+    #[test]
+    fn cpuinfo_reads_the_first_processor() {
+        let text = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n\
+model\t\t: 17\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx512f\n\n\
+processor\t: 1\ncpu family\t: 6\nmodel\t\t: 207\nmodel name\t: Other\n";
+        let id = parse_cpuinfo(text);
+        assert_eq!(id.model_name.as_deref(), Some("AMD EPYC"));
+        assert_eq!((id.family, id.model), (Some(25), Some(17)));
+    }
+
+    #[test]
+    fn cpuinfo_without_the_fields_reads_none() {
+        // An aarch64 /proc/cpuinfo: no `model name`, `cpu family` or `model`.
+        let id = parse_cpuinfo("processor\t: 0\nBogoMIPS\t: 50.00\nCPU part\t: 0xd0c\n");
+        assert_eq!(id, CpuIdentity::default());
+        assert_eq!(
+            parse_cpuinfo("cpu family\t: six\nmodel\t:\n"),
+            CpuIdentity::default()
+        );
     }
 
     #[test]

@@ -4,6 +4,7 @@
 use std::io::Write;
 
 use clap::Args;
+use kvstack_driver::probe::{CpuIdentity, cpu_identity};
 use kvstack_kernels::SimdLevel;
 use kvstack_kernels::attn::bench::{
     AttentionBenchOptions, AttentionBenchReport, run_attention_bench,
@@ -37,63 +38,43 @@ pub struct AttentionArgs {
     json: bool,
 }
 
-/// The CPU the bench ran on, for comparing runs across machines: the results depend on the
+/// The CPU the bench ran on, for comparing runs across machines: the ratios depend on the
 /// microarchitecture (docs/attention-kernels.md has runs on several).
-#[derive(Debug, Default, PartialEq, Eq)]
-struct CpuId {
-    /// `model name` of the first CPU in `/proc/cpuinfo`.
-    model_name: Option<String>,
-    /// `cpu family` and `model` (decimal, as `/proc/cpuinfo` prints them): on VMs the model
-    /// name is often generic ("AMD EPYC"), these are not.
-    family_model: Option<(u32, u32)>,
+struct BenchCpu {
+    id: CpuIdentity,
     /// CPUs this process may run on.
     logical_cpus: usize,
 }
 
-impl CpuId {
-    /// This machine's; fields that cannot be read stay `None`.
+impl BenchCpu {
     fn probe() -> Self {
-        let mut id = std::fs::read_to_string("/proc/cpuinfo")
-            .map(|t| Self::parse(&t))
-            .unwrap_or_default();
-        id.logical_cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-        id
-    }
-
-    /// The first processor's block of a `/proc/cpuinfo` text.
-    fn parse(cpuinfo: &str) -> Self {
-        let first = cpuinfo.split("\n\n").next().unwrap_or_default();
-        let field = |name: &str| {
-            first.lines().find_map(|l| {
-                let (k, v) = l.split_once(':')?;
-                (k.trim() == name).then(|| v.trim().to_owned())
-            })
-        };
-        let num = |name: &str| field(name).and_then(|v| v.parse::<u32>().ok());
-        CpuId {
-            model_name: field("model name").filter(|v| !v.is_empty()),
-            family_model: num("cpu family").zip(num("model")),
-            logical_cpus: 0,
+        BenchCpu {
+            id: cpu_identity(),
+            logical_cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
         }
     }
 }
 
-impl std::fmt::Display for CpuId {
+impl std::fmt::Display for BenchCpu {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}", self.model_name.as_deref().unwrap_or("unknown CPU"))?;
-        if let Some((fam, model)) = self.family_model {
-            write!(f, " (family {fam} model {model})")?;
+        write!(
+            f,
+            "{}",
+            self.id.model_name.as_deref().unwrap_or("unknown CPU")
+        )?;
+        if let (Some(family), Some(model)) = (self.id.family, self.id.model) {
+            write!(f, " (family {family} model {model})")?;
         }
         write!(f, ", {} logical CPUs", self.logical_cpus)
     }
 }
 
-fn to_json(r: &AttentionBenchReport, cpu: &CpuId) -> serde_json::Value {
+fn to_json(r: &AttentionBenchReport, cpu: &BenchCpu) -> serde_json::Value {
     json!({
         "cpu": {
-            "model_name": cpu.model_name,
-            "family": cpu.family_model.map(|(f, _)| f),
-            "model": cpu.family_model.map(|(_, m)| m),
+            "model_name": cpu.id.model_name,
+            "family": cpu.id.family,
+            "model": cpu.id.model,
             "logical_cpus": cpu.logical_cpus,
         },
         "level": r.level.name(),
@@ -150,7 +131,7 @@ pub fn run(args: &AttentionArgs) -> Result<(), CliError> {
         );
     }
     let report = run_attention_bench(&opts).map_err(CliError::Attention)?;
-    let cpu = CpuId::probe();
+    let cpu = BenchCpu::probe();
     let mut out = std::io::stdout().lock();
     if args.json {
         let text = serde_json::to_string_pretty(&to_json(&report, &cpu)).map_err(CliError::Json)?;
@@ -184,26 +165,26 @@ mod tests {
     use super::*;
 
     #[test]
-    fn cpu_id_reads_the_first_processor() {
-        let text = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n\
-                    model name\t: AMD EPYC\nflags\t\t: fpu avx512f\n\n\
-                    processor\t: 1\ncpu family\t: 6\nmodel\t\t: 207\nmodel name\t: Other\n";
-        let id = CpuId::parse(text);
-        assert_eq!(id.model_name.as_deref(), Some("AMD EPYC"));
-        assert_eq!(id.family_model, Some((25, 17)));
-        let shown = CpuId {
+    fn the_cpu_line_names_model_family_and_cpus() {
+        let cpu = |model_name: Option<&str>, family, model| BenchCpu {
+            id: CpuIdentity {
+                model_name: model_name.map(str::to_owned),
+                family,
+                model,
+            },
             logical_cpus: 2,
-            ..id
-        }
-        .to_string();
-        assert_eq!(shown, "AMD EPYC (family 25 model 17), 2 logical CPUs");
-    }
-
-    #[test]
-    fn cpu_id_without_the_fields_is_unknown() {
-        // e.g. an aarch64 /proc/cpuinfo: no `model name`, no `cpu family`.
-        let id = CpuId::parse("processor\t: 0\nBogoMIPS\t: 50.00\nCPU part\t: 0xd0c\n");
-        assert_eq!(id, CpuId::default());
-        assert_eq!(id.to_string(), "unknown CPU, 0 logical CPUs");
+        };
+        assert_eq!(
+            cpu(Some("AMD EPYC"), Some(25), Some(17)).to_string(),
+            "AMD EPYC (family 25 model 17), 2 logical CPUs"
+        );
+        assert_eq!(
+            cpu(None, None, None).to_string(),
+            "unknown CPU, 2 logical CPUs"
+        );
+        assert_eq!(
+            cpu(Some("X"), Some(6), None).to_string(),
+            "X, 2 logical CPUs"
+        );
     }
 }
