@@ -146,8 +146,8 @@ pub fn footprint(args: &FootprintArgs) -> Result<(), CliError> {
     );
     bar.set_message("appending");
     let report =
-        kvstack_runtime::cache::run_footprint_bench(args.tokens, |done| bar.set_position(done))
-            .map_err(CliError::Runtime)?;
+        kvstack_bench::footprint::run_footprint_bench(args.tokens, |done| bar.set_position(done))
+            .map_err(CliError::Bench)?;
     bar.finish_and_clear();
     let mut out = std::io::stdout().lock();
     if args.json {

@@ -4,8 +4,8 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use clap::Args;
-use kvstack_runtime::engine::bench::{RuntimeBenchOptions, run_runtime_bench};
-use kvstack_runtime::model::PrefillMode;
+use kvstack_bench::runtime::{RuntimeBenchOptions, run_runtime_bench};
+use kvstack_model::PrefillMode;
 
 use crate::error::CliError;
 use crate::run::ModeArg;
@@ -70,7 +70,7 @@ pub fn run(a: &RuntimeArgs) -> Result<(), CliError> {
             eprintln!("  {stage} ...");
         }
     })
-    .map_err(CliError::Runtime)?;
+    .map_err(CliError::Bench)?;
     let mut out = std::io::stdout().lock();
     if a.json {
         let text = serde_json::to_string_pretty(&report).map_err(CliError::Json)?;

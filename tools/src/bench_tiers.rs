@@ -4,7 +4,7 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use clap::Args;
-use kvstack_runtime::tiers::{TiersBenchOptions, run_tiers_bench};
+use kvstack_bench::tiers::{TiersBenchOptions, run_tiers_bench};
 
 use crate::error::CliError;
 
@@ -52,7 +52,7 @@ pub fn run(args: &TiersArgs) -> Result<(), CliError> {
             eprintln!("  {stage} ...");
         }
     })
-    .map_err(CliError::Store)?;
+    .map_err(CliError::Bench)?;
     let mut out = std::io::stdout().lock();
     if args.json {
         let text = serde_json::to_string_pretty(&report).map_err(CliError::Json)?;

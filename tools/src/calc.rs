@@ -1,10 +1,10 @@
-//! `kvstack calc`: the cache-entry arithmetic of spec §6, derived by `kvstack_runtime::calc`.
+//! `kvstack calc`: the cache-entry arithmetic of spec §6, derived by `kvstack_spec::calc`.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use clap::Args;
-use kvstack_runtime::{
+use kvstack_spec::{
     CacheReport, FormatOverrides, GlobalFormat, IndexFormat, ModelConfig, builtin, format_ratio,
 };
 use serde::Serialize;
@@ -245,7 +245,7 @@ fn print_one(out: &mut impl Write, c: &Computed) -> std::io::Result<()> {
 
 fn print_compare(out: &mut impl Write, all: &[Computed]) -> std::io::Result<()> {
     let reports: Vec<CacheReport> = all.iter().map(|c| c.report.clone()).collect();
-    let cmp = kvstack_runtime::compare(&reports);
+    let cmp = kvstack_spec::compare(&reports);
     let name = |c: &Computed| {
         Path::new(&c.source)
             .file_stem()
@@ -343,7 +343,7 @@ fn print_compare(out: &mut impl Write, all: &[Computed]) -> std::io::Result<()> 
     for (label, get) in [
         (
             "lever: entry sharing",
-            (|l: &kvstack_runtime::Levers| l.entry_sharing) as fn(&_) -> f64,
+            (|l: &kvstack_spec::Levers| l.entry_sharing) as fn(&_) -> f64,
         ),
         ("lever: sequence compression", |l| l.sequence_compression),
         ("lever: cross-layer sharing", |l| l.cross_layer_sharing),

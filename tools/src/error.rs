@@ -52,7 +52,7 @@ pub enum CliError {
     },
     /// A model config could not be loaded (the cause names the file and field).
     #[error("cannot load the model config")]
-    ConfigLoad(#[source] kvstack_runtime::Error),
+    ConfigLoad(#[source] kvstack_spec::Error),
     /// A loaded config failed planning or the cache arithmetic.
     #[error("{config}: cannot derive the cache arithmetic")]
     Calc {
@@ -60,14 +60,17 @@ pub enum CliError {
         config: String,
         /// The cause, naming the field and layer.
         #[source]
-        source: kvstack_runtime::Error,
+        source: kvstack_spec::Error,
     },
-    /// A runtime operation failed.
+    /// The service (model, cache, tiers, engine) failed.
     #[error("runtime error")]
-    Runtime(#[source] kvstack_runtime::Error),
+    Runtime(#[source] kvstack_engine::Error),
     /// An SSD-store or tiers operation failed.
     #[error("store operation failed")]
-    Store(#[source] kvstack_runtime::Error),
+    Store(#[source] kvstack_tiers::Error),
+    /// A benchmark could not run (the cause names what failed).
+    #[error("benchmark failed")]
+    Bench(#[source] kvstack_bench::Error),
     /// `kvstack store fsck` found damage (listed on standard output).
     #[error("{0} damaged ranges or segments found")]
     Damaged(usize),
@@ -82,7 +85,7 @@ pub enum CliError {
     Stdout(#[source] std::io::Error),
     /// `verify attention` could not run (the cause names the file, tensor or config field).
     #[error("cannot run the attention verification")]
-    Verify(#[source] kvstack_runtime::Error),
+    Verify(#[source] kvstack_model::Error),
     /// `verify attention` ran and some stages are out of tolerance.
     #[error("verify attention: {failed} of {total} stage comparisons out of tolerance")]
     VerifyFailed {
@@ -94,7 +97,7 @@ pub enum CliError {
     /// The forward pass, a checkpoint or `verify model` failed (the cause names the tensor,
     /// file or config field).
     #[error("model operation failed")]
-    Model(#[source] kvstack_runtime::Error),
+    Model(#[source] kvstack_model::Error),
     /// `verify model` ran and some tensors are out of tolerance.
     #[error("verify model: {failed} of {total} comparisons out of tolerance")]
     ModelVerifyFailed {

@@ -5,9 +5,9 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use clap::{Args, Subcommand};
-use kvstack_runtime::config::ModelConfig;
-use kvstack_runtime::model::init::write_checkpoint;
-use kvstack_runtime::model::verify::verify_model;
+use kvstack_model::init::write_checkpoint;
+use kvstack_model::verify::verify_model;
+use kvstack_spec::ModelConfig;
 
 use crate::error::CliError;
 
@@ -56,9 +56,9 @@ pub struct VerifyModelArgs {
 
 fn config(name: &str) -> Result<ModelConfig, CliError> {
     if name == "builtin-tiny" {
-        return kvstack_runtime::builtin::tiny_config().map_err(CliError::Runtime);
+        return kvstack_spec::builtin::tiny_config().map_err(CliError::ConfigLoad);
     }
-    ModelConfig::from_file(name).map_err(CliError::Runtime)
+    ModelConfig::from_file(name).map_err(CliError::ConfigLoad)
 }
 
 /// Runs `kvstack model <op>`.

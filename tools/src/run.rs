@@ -1,6 +1,6 @@
 //! `kvstack run`: the main job. Serves a simulated agent workload with the embedded tiny V4.1
 //! model (the real V4.1-Flash cache geometry, weights generated in memory from a seed) through
-//! the serving engine (`kvstack_runtime::engine`): the paged cache for live sequences,
+//! the serving engine (`kvstack_engine::Service`): the paged cache for live sequences,
 //! continuous batching, and prefix reuse through the SSD store in `--data-dir` and the DRAM
 //! window pool. Prints a summary: prefill and decode tokens/s, where context tokens came from
 //! (live sessions, the paged cache, SSD, the window pool, replayed, computed), bytes per tier,
@@ -17,19 +17,17 @@
 
 use std::io::Write;
 use std::path::PathBuf;
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
-use kvstack_kernels::model::Sampling;
-use kvstack_runtime::cache::CacheOptions;
-use kvstack_runtime::engine::{
-    Engine, EngineOptions, EngineStats, Event, RequestSpec, ReuseKind, SessionId,
+use kvstack_cache::CacheOptions;
+use kvstack_engine::{
+    EngineOptions, Event, ModelSource, RequestSpec, Service, ServiceOptions, ServiceReport,
+    SessionId,
 };
-use kvstack_runtime::model::PrefillMode;
-use kvstack_runtime::model::init::random_model;
-use kvstack_runtime::tiers::{StoreLocation, StoreOptions, SystemClock, TierOptions, Tiers};
+use kvstack_kernels::model::Sampling;
+use kvstack_model::PrefillMode;
 use serde::Serialize;
 
 use crate::error::CliError;
@@ -109,73 +107,25 @@ fn tokens(seed: u64, tag: u64, n: usize, vocab: usize) -> Vec<u32> {
         .collect()
 }
 
-/// The JSON summary (`--json`).
+/// The JSON summary (`--json`): the workload, then the service's counters.
 #[derive(Serialize)]
 struct Summary {
     sessions: usize,
     turns: usize,
-    requests: u64,
-    failed: u64,
     wall_seconds: f64,
-    prefill_tokens_per_s: f64,
-    decode_tokens_per_s: f64,
-    mean_decode_batch: f64,
-    context_tokens: u64,
-    live_tokens: u64,
-    dram_cache_tokens: u64,
-    ssd_tokens: u64,
-    ssd_read_bytes: u64,
-    pool_windows: u64,
-    replayed_tokens: u64,
-    computed_tokens: u64,
-    decode_tokens: u64,
-    measured_bytes_per_token: f64,
-    dram_cache_bytes: u64,
-    dram_pool_bytes: u64,
-    ssd_live_bytes: u64,
-    ssd_units: u64,
-    ssd_units_at_start: u64,
-    units_persisted: u64,
-    persist_failures: u64,
-    ttft_ms: Vec<TtftLine>,
-}
-
-#[derive(Serialize)]
-struct TtftLine {
-    reuse: ReuseKind,
-    requests: usize,
-    mean_ms: f64,
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e3
+    #[serde(flatten)]
+    service: ServiceReport,
 }
 
 /// Runs `kvstack run`.
 pub fn run(a: &RunArgs) -> Result<(), CliError> {
-    let cfg = kvstack_runtime::builtin::tiny_config().map_err(CliError::Runtime)?;
-    std::fs::create_dir_all(&a.data_dir).map_err(CliError::Stdout)?;
-    let t0 = Instant::now();
-    let model = random_model(&cfg, a.seed).map_err(CliError::Model)?;
-    let load = t0.elapsed();
-    let vocab = model.dims().vocab;
-    let tiers = if a.no_tiers {
-        None
-    } else {
-        let store = StoreOptions::new(StoreLocation::Directory(a.data_dir.clone()));
-        let opts = TierOptions {
-            // The weights are generated from the seed: KV of other seeds must never match.
-            weights_id: format!("builtin kvstack-tiny-v4.1 seed {}", a.seed).into_bytes(),
-            ..TierOptions::new(store)
-        };
-        Some(Tiers::open(&cfg, 256, opts, Arc::new(SystemClock)).map_err(CliError::Store)?)
-    };
-    let units_at_start = tiers.as_ref().map_or(0, |t| t.store().stats().units);
-    let recovery = tiers
-        .as_ref()
-        .map(|t| t.store().recovery().seconds)
-        .unwrap_or(0.0);
-    let opts = EngineOptions {
+    let mut opts = ServiceOptions::new(ModelSource::BuiltinTiny { seed: a.seed });
+    if !a.no_tiers {
+        std::fs::create_dir_all(&a.data_dir).map_err(CliError::Stdout)?;
+        opts = opts.with_data_dir(&a.data_dir);
+    }
+    opts.threads = a.threads;
+    opts.engine = EngineOptions {
         prefill: match a.prefill {
             ModeArg::Exact => PrefillMode::Exact,
             ModeArg::Ced => PrefillMode::Ced,
@@ -189,8 +139,10 @@ pub fn run(a: &RunArgs) -> Result<(), CliError> {
         },
         ..EngineOptions::default()
     };
-    let mut engine = Engine::new(&cfg, model, tiers, opts).map_err(CliError::Runtime)?;
-    engine.set_threads(a.threads);
+    let mut engine = Service::open(opts).map_err(CliError::Runtime)?;
+    let load = engine.load_time();
+    let recovery = engine.recovery_seconds();
+    let vocab = engine.engine().model().dims().vocab;
     let sampling = match a.temperature {
         Some(t) => Sampling::TopP {
             temperature: t,
@@ -273,7 +225,7 @@ pub fn run(a: &RunArgs) -> Result<(), CliError> {
                 Event::Token { .. } => {}
             }
         }
-        let st = engine.stats();
+        let st = engine.engine().stats();
         bar.set_message(format!(
             "prefill {:.0} tok/s, decode {:.1} tok/s, from SSD {} tokens",
             st.prefill_rate(),
@@ -284,16 +236,21 @@ pub fn run(a: &RunArgs) -> Result<(), CliError> {
     engine.flush().map_err(CliError::Runtime)?;
     let wall = start.elapsed();
     bar.finish_and_clear();
-    let summary = summarize(a, &engine, wall, units_at_start);
-    let pool = engine.tiers().map(|t| t.pool().stats());
-    let store = engine.tiers().map(|t| t.store().stats());
+    let summary = Summary {
+        sessions: a.sessions,
+        turns: a.turns,
+        wall_seconds: wall.as_secs_f64(),
+        service: engine.report(),
+    };
+    let pool = engine.engine().tiers().map(|t| t.pool().stats());
+    let store = engine.engine().tiers().map(|t| t.store().stats());
     engine.close().map_err(CliError::Runtime)?;
     let mut out = std::io::stdout().lock();
     if a.json {
         let text = serde_json::to_string_pretty(&summary).map_err(CliError::Json)?;
         writeln!(out, "{text}").map_err(CliError::Stdout)?;
     } else {
-        let s = &summary;
+        let (s, w) = (&summary.service, &summary);
         let pct = |n: u64| 100.0 * n as f64 / s.context_tokens.max(1) as f64;
         let mut lines = vec![
             format!(
@@ -321,7 +278,7 @@ pub fn run(a: &RunArgs) -> Result<(), CliError> {
             ),
             format!(
                 "served {} requests ({} failed) in {:.1} s",
-                s.requests, s.failed, s.wall_seconds
+                s.requests, s.failed, w.wall_seconds
             ),
             format!(
                 "prefill: {:.1} tokens/s ({} rows incl. replay); decode: {:.1} tokens/s ({} tokens, mean batch {:.2} sequences)",
@@ -397,48 +354,4 @@ pub fn run(a: &RunArgs) -> Result<(), CliError> {
         });
     }
     Ok(())
-}
-
-fn summarize(a: &RunArgs, engine: &Engine, wall: Duration, units_at_start: u64) -> Summary {
-    let st: &EngineStats = engine.stats();
-    let usage = engine.cache().usage();
-    Summary {
-        sessions: a.sessions,
-        turns: a.turns,
-        requests: st.requests,
-        failed: st.failed,
-        wall_seconds: wall.as_secs_f64(),
-        prefill_tokens_per_s: st.prefill_rate(),
-        decode_tokens_per_s: st.decode_rate(),
-        mean_decode_batch: st.decode_batch_rows as f64 / st.decode_steps.max(1) as f64,
-        context_tokens: st.context_tokens,
-        live_tokens: st.live_tokens,
-        dram_cache_tokens: st.mapped_tokens,
-        ssd_tokens: st.ssd_tokens,
-        ssd_read_bytes: st.ssd_bytes,
-        pool_windows: st.pool_windows,
-        replayed_tokens: st.replayed_tokens,
-        computed_tokens: st.computed_tokens,
-        decode_tokens: st.decode_tokens,
-        measured_bytes_per_token: st.finished_entry_bytes as f64 / st.finished_tokens.max(1) as f64,
-        dram_cache_bytes: usage.total_allocated_bytes(),
-        dram_pool_bytes: engine
-            .tiers()
-            .map_or(0, |t| t.pool().stats().committed_bytes),
-        ssd_live_bytes: engine.tiers().map_or(0, |t| t.store().stats().live_bytes),
-        ssd_units: engine.tiers().map_or(0, |t| t.store().stats().units),
-        ssd_units_at_start: units_at_start,
-        units_persisted: st.units_persisted,
-        persist_failures: st.persist_failures,
-        ttft_ms: ReuseKind::ALL
-            .iter()
-            .filter_map(|&k| {
-                st.mean_ttft(k).map(|(d, n)| TtftLine {
-                    reuse: k,
-                    requests: n,
-                    mean_ms: ms(d),
-                })
-            })
-            .collect(),
-    }
 }

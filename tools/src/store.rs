@@ -5,8 +5,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use clap::{Args, Subcommand};
-use kvstack_runtime::tiers::fsck::{fsck, inspect};
-use kvstack_runtime::tiers::{SsdStore, StoreLocation, StoreOptions, SystemClock};
+use kvstack_tiers::fsck::{fsck, inspect};
+use kvstack_tiers::{SsdStore, StoreLocation, StoreOptions, SystemClock};
 
 use crate::error::CliError;
 

@@ -1,11 +1,11 @@
 //! `kvstack verify attention`: the CSA2 attention chain against a reference dump
-//! (`kvstack_runtime::verify`), one line per layer, pass and stage.
+//! (`kvstack_model::attention::verify`), one line per layer, pass and stage.
 
 use std::io::Write;
 use std::path::PathBuf;
 
 use clap::{Args, ValueEnum};
-use kvstack_runtime::verify::{Kind, VerifyOptions, VerifyReport, verify_attention};
+use kvstack_model::attention::verify::{Kind, VerifyOptions, VerifyReport, verify_attention};
 
 use crate::error::CliError;
 

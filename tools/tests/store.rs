@@ -9,8 +9,8 @@ use std::process::Command;
 use std::sync::Arc;
 
 use kvstack_driver::pinned::{HugePages, Locking, PinnedOptions};
-use kvstack_runtime::Result;
-use kvstack_runtime::tiers::{
+use kvstack_tiers::Result;
+use kvstack_tiers::{
     BlockSource, ModelFingerprint, SsdStore, StoreLocation, StoreOptions, SystemClock, Tenant,
     UnitWrite,
 };

@@ -1,0 +1,473 @@
+//! `kvstack bench runtime`: the engine on the built-in tiny model (the real V4.1-Flash cache
+//! geometry) — prefill and decode tokens/s at each thread count, time to first token of a
+//! long prompt whose prefix is cached (global KV on SSD with the window in the DRAM pool, and
+//! with the window missing, rebuilt by bounded replay) against the same prompt computed from
+//! scratch in the same run, how far the reused runs' first-token logits are from the
+//! scratch run's, and CED against exact prefill.
+//!
+//! Every cached run starts a new engine (an empty paged cache) over the same tiers, so the
+//! global KV really comes from the SSD store (O_DIRECT when the file system allows it).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use kvstack_kernels::model::{Sampling, argmax};
+use serde::Serialize;
+
+use kvstack_cache::CacheOptions;
+use kvstack_engine::{Completion, Engine, EngineOptions, Event, RequestSpec, ReuseKind};
+use kvstack_model::init::random_model;
+use kvstack_model::verify::row_errors;
+use kvstack_model::{Model, PrefillMode};
+use kvstack_spec::ModelConfig;
+use kvstack_tiers::{StoreLocation, StoreOptions, SystemClock, TierOptions, Tiers};
+
+use crate::{Error, Result};
+
+/// Options of [`run_runtime_bench`].
+#[derive(Clone, Debug)]
+pub struct RuntimeBenchOptions {
+    /// Directory on the SSD to measure (the bench works in a subdirectory it removes).
+    pub dir: PathBuf,
+    /// Tokens of the long prompt.
+    pub tokens: usize,
+    /// Of those, the new tokens after the cached prefix.
+    pub suffix: usize,
+    /// Thread counts of the throughput runs.
+    pub threads: Vec<usize>,
+    /// Prompt tokens of the prefill throughput run.
+    pub prefill_tokens: usize,
+    /// Sequences decoding together in the decode throughput run.
+    pub decode_sessions: usize,
+    /// Tokens each decodes.
+    pub decode_tokens: usize,
+    /// Prompt tokens of the CED vs exact comparison (0: skip it).
+    pub ced_tokens: usize,
+    /// Prefill mode of the engine runs.
+    pub prefill: PrefillMode,
+    /// Prefill chunk.
+    pub chunk: usize,
+    /// Seed of the weights and tokens.
+    pub seed: u64,
+}
+
+impl RuntimeBenchOptions {
+    /// The defaults of the issue's benchmark: a 32,768-token prompt, 1 and 2 threads.
+    pub fn new(dir: PathBuf) -> RuntimeBenchOptions {
+        RuntimeBenchOptions {
+            dir,
+            tokens: 32_768,
+            suffix: 64,
+            threads: vec![1, 2],
+            prefill_tokens: 2048,
+            decode_sessions: 4,
+            decode_tokens: 32,
+            ced_tokens: 1024,
+            prefill: PrefillMode::Ced,
+            chunk: 256,
+            seed: 4101,
+        }
+    }
+}
+
+/// Throughput at one thread count.
+#[derive(Clone, Debug, Serialize)]
+pub struct Throughput {
+    /// Expert threads.
+    pub threads: usize,
+    /// Prefill rows per second (one prompt of `prefill_tokens`).
+    pub prefill_tokens_per_s: f64,
+    /// Decoded tokens per second, all sequences together.
+    pub decode_tokens_per_s: f64,
+    /// Mean sequences per decode step.
+    pub decode_batch: f64,
+}
+
+/// One time-to-first-token run of the long prompt.
+#[derive(Clone, Debug, Serialize)]
+pub struct TtftRun {
+    /// How its context was obtained.
+    pub reuse: ReuseKind,
+    /// Submission to first token, seconds.
+    pub ttft_s: f64,
+    /// Of that, the lookup and restore (SSD reads, window), seconds.
+    pub restore_s: f64,
+    /// This run's time over the scratch run's.
+    pub ratio_to_scratch: f64,
+    /// Tokens read from SSD.
+    pub ssd_tokens: u64,
+    /// Bytes read from SSD.
+    pub ssd_bytes: u64,
+    /// Tokens replayed.
+    pub replayed_tokens: u64,
+    /// Tokens computed.
+    pub computed_tokens: u64,
+    /// Worst first-token logit difference to the scratch run, relative to the largest
+    /// scratch logit magnitude.
+    pub logit_error: f64,
+    /// Whether the first token equals the scratch run's.
+    pub same_top1: bool,
+}
+
+/// CED against exact prefill on the built-in model.
+#[derive(Clone, Debug, Serialize)]
+pub struct CedReport {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Next-token logits compared (after the prompt, then greedy steps).
+    pub steps: usize,
+    /// Worst logit difference relative to the exact run's largest logit magnitude.
+    pub worst_logit_error: f64,
+    /// Steps whose top-1 token agrees.
+    pub top1_agreement: usize,
+}
+
+/// What [`run_runtime_bench`] measured.
+#[derive(Clone, Debug, Serialize)]
+pub struct RuntimeReport {
+    /// The model.
+    pub model: String,
+    /// Prefill mode of the engine runs.
+    pub prefill_mode: String,
+    /// Per thread count.
+    pub throughput: Vec<Throughput>,
+    /// Tokens of the long prompt.
+    pub prompt_tokens: usize,
+    /// Tokens of its cached prefix.
+    pub cached_tokens: usize,
+    /// Threads of the TTFT runs.
+    pub ttft_threads: usize,
+    /// The prompt computed from scratch, seconds.
+    pub scratch_ttft_s: f64,
+    /// The cached runs.
+    pub cached: Vec<TtftRun>,
+    /// The SSD I/O engine.
+    pub io_engine: String,
+    /// CED vs exact.
+    pub ced: Option<CedReport>,
+    /// Targets missed (TTFT ratio above 0.1).
+    pub failures: Vec<String>,
+}
+
+impl RuntimeReport {
+    /// Whether every target was met.
+    pub fn meets_targets(&self) -> bool {
+        self.failures.is_empty()
+    }
+}
+
+/// The TTFT target of the issue: cached / scratch.
+pub const TTFT_TARGET: f64 = 0.1;
+
+impl std::fmt::Display for RuntimeReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(f, "model: {}; prefill {}", self.model, self.prefill_mode)?;
+        for t in &self.throughput {
+            writeln!(
+                f,
+                "throughput, {} thread(s): prefill {:.1} tokens/s, decode {:.1} tokens/s (mean batch {:.2})",
+                t.threads, t.prefill_tokens_per_s, t.decode_tokens_per_s, t.decode_batch
+            )?;
+        }
+        writeln!(
+            f,
+            "time to first token, {}-token prompt, {} thread(s): computed from scratch {:.2} s",
+            self.prompt_tokens, self.ttft_threads, self.scratch_ttft_s
+        )?;
+        for c in &self.cached {
+            writeln!(
+                f,
+                "  {} ({} cached tokens, {} read from SSD = {:.1} MB, {} replayed, {} computed): {:.3} s (restore {:.3} s) = {:.4} of scratch (target <= {TTFT_TARGET}); first-token logits vs scratch: worst error {:.2e}, same top-1: {}",
+                c.reuse.label(),
+                self.cached_tokens,
+                c.ssd_tokens,
+                c.ssd_bytes as f64 / 1e6,
+                c.replayed_tokens,
+                c.computed_tokens,
+                c.ttft_s,
+                c.restore_s,
+                c.ratio_to_scratch,
+                c.logit_error,
+                c.same_top1
+            )?;
+        }
+        writeln!(f, "SSD I/O engine: {}", self.io_engine)?;
+        if let Some(c) = &self.ced {
+            writeln!(
+                f,
+                "CED vs exact prefill, {}-token prompt: worst next-token logit error {:.3e} (relative to the largest logit) over {} steps, top-1 agreement {}/{}",
+                c.prompt_tokens, c.worst_logit_error, c.steps, c.top1_agreement, c.steps
+            )?;
+        }
+        if self.failures.is_empty() {
+            writeln!(f, "all targets met")
+        } else {
+            writeln!(f, "targets missed: {}", self.failures.join("; "))
+        }
+    }
+}
+
+fn tokens(seed: u64, tag: u64, n: usize, vocab: usize) -> Vec<u32> {
+    let mut x = (seed ^ tag.wrapping_mul(0x9E37_79B9_7F4A_7C15)) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % vocab as u64) as u32
+        })
+        .collect()
+}
+
+fn engine_opts(o: &RuntimeBenchOptions, keep_live: bool) -> EngineOptions {
+    EngineOptions {
+        prefill: o.prefill,
+        chunk: o.chunk.max(1),
+        keep_live,
+        keep_first_logits: true,
+        cache: CacheOptions {
+            context_limit: (o.tokens as u64 + 1024).max(1 << 16),
+            max_sequences: o.decode_sessions.max(1) + 1,
+            ..CacheOptions::default()
+        },
+        ..EngineOptions::default()
+    }
+}
+
+/// Runs one request alone on `engine`; its completion.
+fn one(engine: &mut Engine, tokens: Vec<u32>, new: usize) -> Result<Completion> {
+    let s = engine.open_session("bench");
+    engine.submit(
+        s,
+        RequestSpec {
+            tokens,
+            max_new_tokens: new,
+            sampling: Sampling::Greedy,
+            seed: 1,
+        },
+    )?;
+    let mut done = None;
+    let mut failed = None;
+    engine.run_until_idle(|e| match e {
+        Event::Finished(c) => done = Some(c.clone()),
+        Event::Failed { error, .. } => failed = Some(error.clone()),
+        _ => {}
+    })?;
+    engine.close_session(s)?;
+    if let Some(e) = failed {
+        return Err(Error::Run(format!("session {}: {e}", s.0)));
+    }
+    done.ok_or_else(|| Error::Run(format!("session {}: no completion", s.0)))
+}
+
+fn open_tiers(cfg: &ModelConfig, dir: &std::path::Path, seed: u64) -> Result<Tiers> {
+    let opts = TierOptions {
+        weights_id: format!("builtin kvstack-tiny-v4.1 seed {seed}").into_bytes(),
+        ..TierOptions::new(StoreOptions::new(StoreLocation::Directory(
+            dir.to_path_buf(),
+        )))
+    };
+    Ok(Tiers::open(cfg, 256, opts, Arc::new(SystemClock))?)
+}
+
+fn compare(a: &[f32], reference: &[f32]) -> (f64, bool) {
+    let (err, _) = row_errors(a, reference, reference.len().max(1), f64::INFINITY);
+    (err, argmax(a) == argmax(reference))
+}
+
+/// Runs the benchmark, reporting each stage to `progress`.
+///
+/// # Errors
+/// Model, engine and store errors; a data directory that cannot be created.
+pub fn run_runtime_bench(
+    o: &RuntimeBenchOptions,
+    mut progress: impl FnMut(&str),
+) -> Result<RuntimeReport> {
+    let cfg = kvstack_spec::builtin::tiny_config()?;
+    let mut model: Model = random_model(&cfg, o.seed)?;
+    let vocab = model.dims().vocab;
+    let mut throughput = Vec::new();
+    for &t in &o.threads {
+        let t = t.max(1);
+        model.set_threads(t);
+        progress(&format!(
+            "{t} thread(s): prefill of {} tokens",
+            o.prefill_tokens
+        ));
+        let mut e = Engine::new(&cfg, model.clone(), None, engine_opts(o, true))?;
+        one(
+            &mut e,
+            tokens(o.seed, 10, o.prefill_tokens.max(1), vocab),
+            1,
+        )?;
+        let prefill = e.stats().prefill_rate();
+        progress(&format!(
+            "{t} thread(s): {} sequences decoding {} tokens together",
+            o.decode_sessions, o.decode_tokens
+        ));
+        let mut e = Engine::new(&cfg, model.clone(), None, engine_opts(o, true))?;
+        let sessions: Vec<_> = (0..o.decode_sessions.max(1))
+            .map(|_| e.open_session("bench"))
+            .collect();
+        for (i, &s) in sessions.iter().enumerate() {
+            e.submit(
+                s,
+                RequestSpec {
+                    tokens: tokens(o.seed, 20 + i as u64, 128, vocab),
+                    max_new_tokens: o.decode_tokens.max(1) + 1,
+                    sampling: Sampling::Greedy,
+                    seed: i as u64,
+                },
+            )?;
+        }
+        e.run_until_idle(|_| {})?;
+        let st = e.stats();
+        throughput.push(Throughput {
+            threads: t,
+            prefill_tokens_per_s: prefill,
+            decode_tokens_per_s: st.decode_rate(),
+            decode_batch: st.decode_batch_rows as f64 / st.decode_steps.max(1) as f64,
+        });
+    }
+
+    let threads = o.threads.iter().copied().max().unwrap_or(1).max(1);
+    model.set_threads(threads);
+    let n = o.tokens.max(2);
+    // The cached prefix ends on an even position (units end on a multiple of the largest
+    // compress ratio) so its end-of-prompt unit carries a window snapshot.
+    let cached = (n.saturating_sub(o.suffix.max(1))) / 2 * 2;
+    let full = tokens(o.seed, 30, n, vocab);
+    let dir = o.dir.join(format!("bench-runtime-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)
+        .map_err(|e| Error::io("cannot create the bench directory", &dir, e))?;
+    let result = ttft_runs(o, &cfg, &model, &full, cached, &dir, &mut progress);
+    let _ = kvstack_tiers::store::remove_directory_store(&dir);
+    let _ = std::fs::remove_dir(&dir);
+    let (scratch, runs, io_engine) = result?;
+
+    let ced = if o.ced_tokens > 0 {
+        progress(&format!("CED vs exact prefill of {} tokens", o.ced_tokens));
+        Some(ced_vs_exact(
+            &model,
+            &tokens(o.seed, 40, o.ced_tokens, vocab),
+        )?)
+    } else {
+        None
+    };
+    let failures = runs
+        .iter()
+        .filter(|r| r.ratio_to_scratch > TTFT_TARGET)
+        .map(|r| {
+            format!(
+                "TTFT {}: {:.3} of scratch (target <= {TTFT_TARGET})",
+                r.reuse.label(),
+                r.ratio_to_scratch
+            )
+        })
+        .collect();
+    Ok(RuntimeReport {
+        model: "built-in kvstack-tiny-v4.1 (40 layers, V4.1-Flash CSA2 plan, head dim 512, index 32 x 128)".into(),
+        prefill_mode: format!("{:?}", o.prefill),
+        throughput,
+        prompt_tokens: n,
+        cached_tokens: cached,
+        ttft_threads: threads,
+        scratch_ttft_s: scratch.ttft.as_secs_f64(),
+        cached: runs,
+        io_engine,
+        ced,
+        failures,
+    })
+}
+
+type TtftResult = (Completion, Vec<TtftRun>, String);
+
+fn ttft_runs(
+    o: &RuntimeBenchOptions,
+    cfg: &ModelConfig,
+    model: &Model,
+    full: &[u32],
+    cached: usize,
+    dir: &std::path::Path,
+    progress: &mut impl FnMut(&str),
+) -> Result<TtftResult> {
+    let n = full.len();
+    progress(&format!("{n}-token prompt computed from scratch"));
+    let mut e = Engine::new(cfg, model.clone(), None, engine_opts(o, false))?;
+    let scratch = one(&mut e, full.to_vec(), 1)?;
+    drop(e);
+    let want = scratch.first_logits.clone().unwrap_or_default();
+
+    progress(&format!(
+        "caching its first {cached} tokens (a previous turn)"
+    ));
+    let tiers = open_tiers(cfg, dir, o.seed)?;
+    let io_engine = format!("{:?}", tiers.store().engine().kind);
+    let mut e = Engine::new(cfg, model.clone(), Some(tiers), engine_opts(o, false))?;
+    one(&mut e, full[..cached].to_vec(), 1)?;
+    let mut tiers = e.into_tiers()?;
+
+    let mut runs = Vec::new();
+    for kind in [ReuseKind::TiersWithWindow, ReuseKind::TiersReplay] {
+        let Some(t) = tiers.take() else { break };
+        if kind == ReuseKind::TiersReplay {
+            // Drop the window snapshot: a global hit without a window.
+            if let Some(key) = t
+                .lookup(&full[..n - 1], &kvstack_tiers::Tenant::new("bench"))
+                .key()
+            {
+                t.pool().remove(&key);
+            }
+        }
+        progress(&format!(
+            "{n}-token prompt, prefix cached ({})",
+            kind.label()
+        ));
+        let mut e = Engine::new(cfg, model.clone(), Some(t), engine_opts(o, false))?;
+        let c = one(&mut e, full.to_vec(), 1)?;
+        tiers = e.into_tiers()?;
+        let (logit_error, same_top1) = compare(c.first_logits.as_deref().unwrap_or(&[]), &want);
+        runs.push(TtftRun {
+            reuse: c.reuse.kind,
+            ttft_s: c.ttft.as_secs_f64(),
+            restore_s: c.reuse.restore_time.as_secs_f64(),
+            ratio_to_scratch: c.ttft.as_secs_f64() / scratch.ttft.as_secs_f64().max(1e-9),
+            ssd_tokens: c.reuse.ssd_tokens,
+            ssd_bytes: c.reuse.ssd_bytes,
+            replayed_tokens: c.reuse.replayed_tokens,
+            computed_tokens: c.reuse.computed_tokens,
+            logit_error,
+            same_top1,
+        });
+    }
+    if let Some(t) = tiers {
+        t.close()?;
+    }
+    Ok((scratch, runs, io_engine))
+}
+
+fn ced_vs_exact(model: &Model, prompt: &[u32]) -> Result<CedReport> {
+    let mut exact = model.new_store(Some(model.window()));
+    let mut ced = model.new_store(Some(model.window()));
+    let mut le = model.prefill(&mut exact, prompt, PrefillMode::Exact, 256)?;
+    let mut lc = model.prefill(&mut ced, prompt, PrefillMode::Ced, 256)?;
+    let steps = 9;
+    let (mut worst, mut agree) = (0f64, 0usize);
+    for i in 0..steps {
+        let (err, same) = compare(&lc, &le);
+        worst = worst.max(err);
+        agree += usize::from(same);
+        if i + 1 == steps {
+            break;
+        }
+        let t = argmax(&le).unwrap_or(0) as u32;
+        le = model.decode(&mut exact, t)?;
+        lc = model.decode(&mut ced, t)?;
+    }
+    Ok(CedReport {
+        prompt_tokens: prompt.len(),
+        steps,
+        worst_logit_error: worst,
+        top1_agreement: agree,
+    })
+}

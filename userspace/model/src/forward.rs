@@ -1,0 +1,824 @@
+//! The forward pass (spec §3, §9) over a [`KvStore`].
+//!
+//! One step runs `n` tokens at positions `store.len() ..`: embedding into `hc_mult` identical
+//! streams; per block the attention HC site, the collapse with the previous block's `ffn_hc.pre`
+//! (stream 0 for the first block), `attn_norm`, CSA2 attention, the expansion; the MoE HC site,
+//! the collapse with this block's `attn_hc.pre`, `ffn_norm`, router and experts, the expansion;
+//! finally the collapse with the last `ffn_hc.pre`, the norm and the LM head. Then the store
+//! commits the step.
+//!
+//! Prefill modes ([`PrefillMode`]):
+//! - **Exact**: every layer over every token (the reference);
+//! - **CED** (spec §3): with `T` tokens after the prompt and `w` the sliding window, the
+//!   encoder (layers `0 .. L/2`) runs over every prompt token, the decoder (`L/2 .. L`) only
+//!   over positions `>= T - w`, its window attention truncated there. Decoder KV sources get
+//!   their compressed entries for the skipped positions from the L/2 boundary state (the
+//!   encoder's output, collapsed with the last encoder `ffn_hc.pre`, normed with the source's
+//!   own `attn_norm`): in the V4.1 plan the only decoder source is layer 20, the first decoder
+//!   layer, whose input IS that state, so its entries equal exact mode's. Decoder layers get
+//!   placeholder window rows for skipped positions, which the truncation never reads.
+
+use std::ops::Range;
+
+use kvstack_kernels::csa2::gemm::linear;
+use kvstack_kernels::csa2::norm::rms_norm;
+use kvstack_kernels::model::{Expert, HcMix, HcShape, HcSite, MoeShape, Route};
+
+use crate::attention::{
+    AttentionDims, ContiguousStore, Csa2Attention, KvStore, LayerTrace, PagedStore, PagedView,
+    StepState,
+};
+use crate::weights::TensorFile;
+use kvstack_spec::config::ModelConfig;
+use kvstack_spec::plan::{LayerMode, LayerPlan};
+
+use crate::Error;
+use crate::checkpoint::{BlockWeights, ExpertWeights, HcWeights, ModelWeights, TensorSource};
+use crate::dims::ModelDims;
+
+/// Expert work (FLOP) below which an extra MoE thread does not pay for its spawn.
+const MIN_MOE_FLOPS_PER_THREAD: usize = 4_000_000;
+
+/// Members of a batch step with at most this many rows each have their attentions spread
+/// over the threads (decode steps); longer ones split their rows inside the attention.
+const MAX_SPREAD_ROWS: usize = 4;
+/// A [`KvStore`] the model can drive: told each step's token ids before it runs.
+pub trait ModelStore: KvStore + Send {
+    /// Called with the token ids of a step before any layer runs.
+    fn begin_step(&mut self, _tokens: &[u32]) {}
+}
+
+impl ModelStore for ContiguousStore {}
+
+impl ModelStore for PagedStore<'_> {
+    fn begin_step(&mut self, tokens: &[u32]) {
+        PagedStore::begin_step(self, tokens);
+    }
+}
+
+impl ModelStore for PagedView<'_> {
+    fn begin_step(&mut self, tokens: &[u32]) {
+        PagedView::begin_step(self, tokens);
+    }
+}
+
+/// How a prompt is prefilled.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrefillMode {
+    /// Every layer over every token.
+    Exact,
+    /// Encoder over every token, decoder over the last `sliding_window` (spec §3).
+    Ced,
+}
+
+/// Which logits a step returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Logits {
+    /// None (prefill chunks before the last).
+    None,
+    /// The last token's.
+    Last,
+    /// Every token's, `[n, vocab]`.
+    All,
+}
+
+/// One sequence's part of a batched step ([`Model::step_batch`]).
+pub struct BatchItem<'a> {
+    /// Its store.
+    pub store: &'a mut dyn ModelStore,
+    /// Its tokens in this step (at least one).
+    pub tokens: &'a [u32],
+    /// Which logits it wants.
+    pub logits: Logits,
+    /// Window truncation of the decoder layers (CED; 0 for none).
+    pub decoder_window_start: u64,
+}
+
+impl std::fmt::Debug for BatchItem<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BatchItem")
+            .field("tokens", &self.tokens.len())
+            .field("logits", &self.logits)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A batch member inside [`Model::run_batch`].
+struct Member<'s, 'a> {
+    store: &'s mut (dyn ModelStore + 'a),
+    step: StepState,
+    tokens: &'s [u32],
+    logits: Logits,
+    rows: Range<usize>,
+    p0: u64,
+    decoder_window_start: u64,
+}
+
+/// One step of a prefill ([`Model::prefill_plan`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PrefillStep {
+    /// Which of the prefill's tokens it runs.
+    pub tokens: Range<usize>,
+    /// CED: only the encoder runs ([`Model::step_encoder`]); otherwise every layer
+    /// ([`Model::step_batch`], which can batch it with other sequences' steps).
+    pub encoder_only: bool,
+    /// Window truncation of the decoder layers (CED).
+    pub decoder_window_start: u64,
+}
+
+/// What one block computed in a step (for `verify model`).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct BlockTrace {
+    /// `[n, hc_mult, hidden]` entering the block.
+    pub streams_in: Vec<f32>,
+    /// `[n, hidden]`: `attn_norm` of the collapsed streams.
+    pub attn_input: Vec<f32>,
+    /// `[n, hidden]`.
+    pub attn_output: Vec<f32>,
+    /// `[n, hidden]`: `ffn_norm` of the collapsed streams.
+    pub ffn_input: Vec<f32>,
+    /// `[n, hidden]`.
+    pub ffn_output: Vec<f32>,
+    /// Attention HC coefficients per token.
+    pub attn_hc: Vec<HcMix>,
+    /// MoE HC coefficients per token.
+    pub ffn_hc: Vec<HcMix>,
+    /// Routing per token.
+    pub routes: Vec<Route>,
+    /// The attention layer's trace (top-k in `topk`).
+    pub attention: LayerTrace,
+    /// The candidate pool after the layer, if any.
+    pub candidates: Option<Vec<Vec<u32>>>,
+}
+
+/// What a step computed (for `verify model`).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ModelTrace {
+    /// One per block that ran.
+    pub blocks: Vec<BlockTrace>,
+    /// `[n, hidden]` after the final norm.
+    pub final_hidden: Vec<f32>,
+}
+
+/// A loaded V4.1 model.
+#[derive(Clone, Debug)]
+pub struct Model {
+    dims: ModelDims,
+    attn: Csa2Attention,
+    embed: Vec<f32>,
+    head: Vec<f32>,
+    norm: Vec<f32>,
+    blocks: Vec<BlockWeights>,
+    threads: usize,
+}
+
+fn site(w: &HcWeights) -> HcSite<'_> {
+    HcSite {
+        proj: &w.proj,
+        base: &w.base,
+        scale: &w.scale,
+    }
+}
+
+fn expert(w: &ExpertWeights) -> Expert<'_> {
+    Expert {
+        w1: &w.w1,
+        w2: &w.w2,
+        w3: &w.w3,
+    }
+}
+
+/// A finished job: its index and its rows (or the kernel's error).
+type JobResult = (usize, Result<Vec<f32>, kvstack_kernels::csa2::Error>);
+
+/// One expert's work in a step: which tokens, with which weights.
+struct Job<'a> {
+    shape: MoeShape,
+    expert: Expert<'a>,
+    tokens: Vec<usize>,
+    weights: Vec<f32>,
+}
+
+impl Job<'_> {
+    fn run(&self, x: &[f32], h: usize) -> Result<Vec<f32>, kvstack_kernels::csa2::Error> {
+        let mut xs = Vec::with_capacity(self.tokens.len() * h);
+        for &t in &self.tokens {
+            xs.extend_from_slice(&x[t * h..(t + 1) * h]);
+        }
+        let mut ys = vec![0f32; self.tokens.len() * h];
+        self.shape
+            .expert_add(&self.expert, &xs, self.tokens.len(), &self.weights, &mut ys)?;
+        Ok(ys)
+    }
+}
+
+impl Model {
+    /// Assembles a model from its parts (the layer plan comes from the config).
+    pub fn new(cfg: &ModelConfig, weights: ModelWeights) -> Result<Model, Error> {
+        let plan = LayerPlan::from_config(cfg).map_err(Error::AttentionConfig)?;
+        let ad = AttentionDims::from_config(cfg, &plan)?;
+        let dims = ModelDims::from_config(cfg)?;
+        if weights.blocks.len() != dims.layers || plan.layers.len() != dims.layers {
+            return Err(Error::ModelInput(format!(
+                "{} blocks of weights and {} planned layers for num_hidden_layers {}",
+                weights.blocks.len(),
+                plan.layers.len(),
+                dims.layers
+            )));
+        }
+        let attn = Csa2Attention::new(ad, plan, weights.attention)?;
+        Ok(Model {
+            dims,
+            attn,
+            embed: weights.embed,
+            head: weights.head,
+            norm: weights.norm,
+            blocks: weights.blocks,
+            threads: 1,
+        })
+    }
+
+    /// Loads a model: config and a memory-mapped safetensors checkpoint (either naming, any
+    /// released storage type; dequantized to f32 here).
+    pub fn load(cfg: &ModelConfig, file: &TensorFile) -> Result<Model, Error> {
+        Model::load_from(cfg, file)
+    }
+
+    /// [`Model::load`] from any [`TensorSource`] (a file, or [`super::init::Generator`]).
+    pub fn load_from(cfg: &ModelConfig, src: &dyn TensorSource) -> Result<Model, Error> {
+        let plan = LayerPlan::from_config(cfg).map_err(Error::AttentionConfig)?;
+        let ad = AttentionDims::from_config(cfg, &plan)?;
+        let md = ModelDims::from_config(cfg)?;
+        let w = ModelWeights::load_from(src, &md, &ad, &plan)?;
+        Model::new(cfg, w)
+    }
+
+    /// [`Model::load`] from paths.
+    pub fn from_files(config: &std::path::Path, weights: &std::path::Path) -> Result<Model, Error> {
+        let cfg = ModelConfig::from_file(config).map_err(Error::ModelConfig)?;
+        let file = TensorFile::open(weights)?;
+        Model::load(&cfg, &file)
+    }
+
+    /// Threads for the routed experts and for the attention of prefill steps (at least 1);
+    /// results do not depend on it.
+    pub fn set_threads(&mut self, threads: usize) {
+        self.threads = threads.max(1);
+        self.attn.set_threads(self.threads);
+    }
+
+    /// The dimensions.
+    pub fn dims(&self) -> &ModelDims {
+        &self.dims
+    }
+
+    /// The attention of every layer (dimensions, plan, codecs).
+    pub fn attention(&self) -> &Csa2Attention {
+        &self.attn
+    }
+
+    /// The sliding window (`n_win` of CED and of the bounded replay).
+    pub fn window(&self) -> usize {
+        self.attn.dims().window
+    }
+
+    /// The encoder/decoder boundary `L / 2` (spec §3).
+    pub fn boundary(&self) -> usize {
+        self.dims.layers / 2
+    }
+
+    /// An empty in-memory store keeping `keep_window` window rows per layer (all with `None`).
+    pub fn new_store(&self, keep_window: Option<usize>) -> ContiguousStore {
+        self.attn.new_store(keep_window)
+    }
+
+    fn hc(&self) -> HcShape {
+        self.dims.hc()
+    }
+
+    fn block_weights(&self, l: usize) -> Result<&BlockWeights, Error> {
+        self.blocks
+            .get(l)
+            .ok_or_else(|| Error::ModelInput(format!("layer {l} of {}", self.dims.layers)))
+    }
+
+    fn norm_rows(&self, x: &[f32], w: &[f32], what: &str) -> Result<Vec<f32>, Error> {
+        let mut out = vec![0f32; x.len()];
+        rms_norm(x, w, self.dims.eps, &mut out).map_err(Error::model_kernel(what))?;
+        Ok(out)
+    }
+
+    /// The MoE over `n` rows of `x`: the shared expert and every routed expert once over its
+    /// tokens, spread over [`Model::set_threads`] threads; results are added in a fixed order
+    /// (shared, then experts ascending), so the output does not depend on the thread count.
+    fn moe(
+        &self,
+        b: &BlockWeights,
+        x: &[f32],
+        n: usize,
+        routes: &[Route],
+    ) -> Result<Vec<f32>, Error> {
+        let h = self.dims.hidden;
+        let mut jobs = vec![Job {
+            shape: self.dims.shared_moe(),
+            expert: expert(&b.shared),
+            tokens: (0..n).collect(),
+            weights: vec![1.0; n],
+        }];
+        let mut per: Vec<(Vec<usize>, Vec<f32>)> =
+            vec![(Vec::new(), Vec::new()); self.dims.experts];
+        for (t, r) in routes.iter().enumerate() {
+            for (&e, &w) in r.experts.iter().zip(&r.weights) {
+                if let Some(p) = per.get_mut(e) {
+                    p.0.push(t);
+                    p.1.push(w);
+                }
+            }
+        }
+        for (e, (tokens, weights)) in per.into_iter().enumerate() {
+            if !tokens.is_empty()
+                && let Some(w) = b.experts.get(e)
+            {
+                jobs.push(Job {
+                    shape: self.dims.moe(),
+                    expert: expert(w),
+                    tokens,
+                    weights,
+                });
+            }
+        }
+        // A thread pays for its spawn (75-400 us on a busy 2-core VM) only with a few MFLOP
+        // of expert work: a decode step of a small model has far less and runs on one.
+        let flops = jobs.iter().map(|j| j.tokens.len()).sum::<usize>() * 6 * h * self.dims.inter;
+        let threads = self
+            .threads
+            .min(jobs.len())
+            .min(flops / MIN_MOE_FLOPS_PER_THREAD)
+            .max(1);
+        let mut results: Vec<Option<Vec<f32>>> = vec![None; jobs.len()];
+        if threads == 1 {
+            for (j, r) in jobs.iter().zip(results.iter_mut()) {
+                *r = Some(j.run(x, h).map_err(Error::model_kernel("moe expert"))?);
+            }
+        } else {
+            // Greedy balance by token count.
+            let mut bins: Vec<(usize, Vec<usize>)> = vec![(0, Vec::new()); threads];
+            let mut order: Vec<usize> = (0..jobs.len()).collect();
+            order.sort_by_key(|&i| std::cmp::Reverse(jobs[i].tokens.len()));
+            for i in order {
+                if let Some(bin) = bins.iter_mut().min_by_key(|b| b.0) {
+                    bin.0 += jobs[i].tokens.len();
+                    bin.1.push(i);
+                }
+            }
+            let jobs = &jobs;
+            let done: Vec<Option<Vec<JobResult>>> =
+                crate::threads::on_threads(&mut bins, 1, |_, bin| {
+                    bin.iter()
+                        .flat_map(|(_, idx)| idx.iter())
+                        .map(|&i| (i, jobs[i].run(x, h)))
+                        .collect::<Vec<_>>()
+                });
+            for (i, r) in done.into_iter().flatten().flatten() {
+                results[i] = Some(r.map_err(Error::model_kernel("moe expert"))?);
+            }
+        }
+        let mut out = vec![0f32; n * h];
+        for (j, r) in jobs.iter().zip(results) {
+            let ys = r.ok_or_else(|| Error::ModelInput("an MoE worker thread panicked".into()))?;
+            for (&t, y) in j.tokens.iter().zip(ys.chunks_exact(h)) {
+                out[t * h..(t + 1) * h]
+                    .iter_mut()
+                    .zip(y)
+                    .for_each(|(o, &v)| *o += v);
+            }
+        }
+        Ok(out)
+    }
+
+    /// One block over the step of every member of a batch (rows of all members
+    /// concatenated in `streams`; attention per member, everything else over all rows).
+    fn block(
+        &self,
+        l: usize,
+        members: &mut [Member<'_, '_>],
+        streams: &mut [f32],
+        prev_pre: &mut Vec<HcMix>,
+        trace: Option<&mut BlockTrace>,
+    ) -> Result<(), Error> {
+        let hc = self.hc();
+        let b = self.block_weights(l)?;
+        let h = self.dims.hidden;
+        let n: usize = members.iter().map(|m| m.rows.len()).sum();
+        let boundary = self.boundary();
+        let streams_in = trace.is_some().then(|| streams.to_vec());
+        let attn_mix = hc
+            .mixes(&site(&b.attn_hc), streams, n)
+            .map_err(Error::model_kernel(format!("layer {l}: attn_hc")))?;
+        let mut x = vec![0f32; n * h];
+        hc.collapse(prev_pre, streams, &mut x)
+            .map_err(Error::model_kernel(format!("layer {l}: collapse")))?;
+        let attn_input = self.norm_rows(&x, &b.attn_norm, "attn_norm")?;
+        let mut lt = LayerTrace::default();
+        let mut y = Vec::with_capacity(n * h);
+        let single = members.len() == 1;
+        let attend =
+            |m: &mut Member<'_, '_>, lt: Option<&mut LayerTrace>| -> Result<Vec<f32>, Error> {
+                let ws = if l >= boundary {
+                    m.decoder_window_start
+                } else {
+                    0
+                };
+                let rows = &attn_input[m.rows.start * h..m.rows.end * h];
+                self.attn
+                    .forward_from(l, &mut *m.store, &mut m.step, rows, lt, ws)
+            };
+        // Decode steps of several members: their attentions are independent, and one decode
+        // query is too little work to split, so the members are spread over the threads
+        // instead (prefill rows are split inside the attention).
+        let spread = self.threads.min(members.len());
+        if spread > 1 && members.iter().all(|m| m.rows.len() <= MAX_SPREAD_ROWS) {
+            let per = members.len().div_ceil(spread);
+            let attend = &attend;
+            let parts = crate::threads::on_threads(members, per, |_, part| {
+                let mut y = Vec::new();
+                for m in part.iter_mut() {
+                    y.extend_from_slice(&attend(m, None)?);
+                }
+                Ok::<_, Error>(y)
+            });
+            for part in parts {
+                let part = part.unwrap_or_else(|| {
+                    Err(Error::ModelInput(
+                        "an attention worker thread panicked".into(),
+                    ))
+                })?;
+                y.extend_from_slice(&part);
+            }
+        } else {
+            for m in members.iter_mut() {
+                let out = attend(m, (single && trace.is_some()).then_some(&mut lt))?;
+                y.extend_from_slice(&out);
+            }
+        }
+        hc.expand(&attn_mix, &y, streams)
+            .map_err(Error::model_kernel(format!("layer {l}: expand")))?;
+        let ffn_mix = hc
+            .mixes(&site(&b.ffn_hc), streams, n)
+            .map_err(Error::model_kernel(format!("layer {l}: ffn_hc")))?;
+        hc.collapse(&attn_mix, streams, &mut x)
+            .map_err(Error::model_kernel(format!("layer {l}: collapse")))?;
+        let ffn_input = self.norm_rows(&x, &b.ffn_norm, "ffn_norm")?;
+        let routes = self
+            .dims
+            .moe()
+            .route(&ffn_input, &b.gate, &b.gate_bias, n)
+            .map_err(Error::model_kernel(format!("layer {l}: router")))?;
+        let out = self.moe(b, &ffn_input, n, &routes)?;
+        hc.expand(&ffn_mix, &out, streams)
+            .map_err(Error::model_kernel(format!("layer {l}: expand")))?;
+        if let Some(tr) = trace {
+            *tr = BlockTrace {
+                streams_in: streams_in.unwrap_or_default(),
+                attn_input,
+                attn_output: y,
+                ffn_input,
+                ffn_output: out,
+                attn_hc: attn_mix,
+                ffn_hc: ffn_mix.clone(),
+                routes,
+                attention: lt,
+                candidates: members
+                    .first()
+                    .and_then(|m| m.step.candidates().map(|c| c.rows.clone())),
+            };
+        }
+        *prev_pre = ffn_mix;
+        Ok(())
+    }
+
+    /// Runs one step over `tokens` through the layers `layers` (all, or the encoder only), then
+    /// commits it. `decoder_window_start` truncates the window of decoder layers.
+    fn run(
+        &self,
+        store: &mut dyn ModelStore,
+        tokens: &[u32],
+        logits: Logits,
+        trace: Option<&mut ModelTrace>,
+        layers: Range<usize>,
+        decoder_window_start: u64,
+    ) -> Result<Vec<f32>, Error> {
+        let mut items = [BatchItem {
+            store,
+            tokens,
+            logits,
+            decoder_window_start,
+        }];
+        let mut out = self.run_batch(&mut items, trace, layers)?;
+        Ok(out.pop().unwrap_or_default())
+    }
+
+    /// One step of several sequences together (continuous batching): every member's tokens
+    /// run through `layers` as one set of rows (HC, norms, router and experts over all rows
+    /// at once; attention per member over its own store), then each member commits. Rows do
+    /// not interact, so each member's results are those of running it alone.
+    fn run_batch(
+        &self,
+        items: &mut [BatchItem<'_>],
+        mut trace: Option<&mut ModelTrace>,
+        layers: Range<usize>,
+    ) -> Result<Vec<Vec<f32>>, Error> {
+        let (h, ns, v) = (self.dims.hidden, self.dims.hc_mult, self.dims.vocab);
+        let mut members = Vec::with_capacity(items.len());
+        let mut n = 0usize;
+        for (k, it) in items.iter_mut().enumerate() {
+            if it.tokens.is_empty() {
+                return Err(Error::ModelInput(format!(
+                    "batch member {k}: a step needs at least one token"
+                )));
+            }
+            if let Some((i, &tok)) = it
+                .tokens
+                .iter()
+                .enumerate()
+                .find(|(_, t)| **t as usize >= v)
+            {
+                return Err(Error::ModelInput(format!(
+                    "token id {tok} at step position {i} is outside the vocabulary of {v}"
+                )));
+            }
+            it.store.begin_step(it.tokens);
+            let m = it.tokens.len();
+            members.push(Member {
+                tokens: it.tokens,
+                logits: it.logits,
+                p0: it.store.step_start(),
+                store: &mut *it.store,
+                step: StepState::new(m),
+                rows: n..n + m,
+                decoder_window_start: it.decoder_window_start,
+            });
+            n += m;
+        }
+        if members.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut streams = vec![0f32; n * ns * h];
+        for (i, &tok) in members.iter().flat_map(|m| m.tokens.iter()).enumerate() {
+            let t = tok as usize;
+            let row = &self.embed[t * h..(t + 1) * h];
+            for s in 0..ns {
+                streams[(i * ns + s) * h..(i * ns + s + 1) * h].copy_from_slice(row);
+            }
+        }
+        let mut one_hot = vec![0f32; ns];
+        one_hot[0] = 1.0;
+        let mut prev_pre: Vec<HcMix> = (0..n)
+            .map(|_| HcMix {
+                pre: one_hot.clone(),
+                ..HcMix::default()
+            })
+            .collect();
+        if members.len() > 1 {
+            trace = None;
+        }
+        if let Some(t) = trace.as_deref_mut() {
+            t.blocks.clear();
+        }
+        for l in layers.clone() {
+            let bt = match trace.as_deref_mut() {
+                Some(t) => {
+                    t.blocks.push(BlockTrace::default());
+                    t.blocks.last_mut()
+                }
+                None => None,
+            };
+            self.block(l, &mut members, &mut streams, &mut prev_pre, bt)?;
+        }
+        let hc = self.hc();
+        let mut x = vec![0f32; n * h];
+        hc.collapse(&prev_pre, &streams, &mut x)
+            .map_err(Error::model_kernel("final collapse"))?;
+        if layers.end < self.dims.layers {
+            // CED encoder-only step: decoder KV sources from the boundary state, placeholder
+            // window rows for the decoder layers (never read: their window is truncated).
+            let wb = self.attn.window_codec().bytes();
+            for m in &mut members {
+                let xm = &x[m.rows.start * h..m.rows.end * h];
+                let placeholder = vec![0u8; m.rows.len() * wb];
+                for l in layers.end..self.dims.layers {
+                    let spec = self.attn.plan().layers.get(l).copied();
+                    if let Some(spec) = spec
+                        && spec.mode == LayerMode::Full
+                    {
+                        let b = self.block_weights(l)?;
+                        let xin = self.norm_rows(xm, &b.attn_norm, "attn_norm")?;
+                        self.attn.compress_step(l, &mut *m.store, &xin)?;
+                    }
+                    m.store.push_window(l, m.p0, &placeholder)?;
+                }
+                m.store.commit(m.rows.len() as u64)?;
+            }
+            return Ok(vec![Vec::new(); members.len()]);
+        }
+        for m in &mut members {
+            m.store.commit(m.rows.len() as u64)?;
+        }
+        let hidden = self.norm_rows(&x, &self.norm, "final norm")?;
+        let mut outs = Vec::with_capacity(members.len());
+        for m in &members {
+            let rows = match m.logits {
+                Logits::None => 0..0,
+                Logits::Last => m.rows.end - 1..m.rows.end,
+                Logits::All => m.rows.clone(),
+            };
+            let mut out = vec![0f32; rows.len() * v];
+            if !rows.is_empty() {
+                linear(
+                    &hidden[rows.start * h..rows.end * h],
+                    &self.head,
+                    rows.len(),
+                    h,
+                    v,
+                    &mut out,
+                )
+                .map_err(Error::model_kernel("lm head"))?;
+            }
+            outs.push(out);
+        }
+        if let Some(t) = trace {
+            t.final_hidden = hidden;
+        }
+        Ok(outs)
+    }
+
+    /// One exact step of several sequences together (continuous batching: a decoded token of
+    /// each, or prefill chunks beside them); returns each member's requested logits. Each
+    /// member's results equal those of [`Model::step`] on it alone.
+    pub fn step_batch(&self, items: &mut [BatchItem<'_>]) -> Result<Vec<Vec<f32>>, Error> {
+        self.run_batch(items, None, 0..self.dims.layers)
+    }
+
+    /// One exact step (every layer over every token of `tokens`), committed to `store`;
+    /// returns the requested logits (`[rows, vocab]`).
+    pub fn step(
+        &self,
+        store: &mut dyn ModelStore,
+        tokens: &[u32],
+        logits: Logits,
+        trace: Option<&mut ModelTrace>,
+    ) -> Result<Vec<f32>, Error> {
+        self.run(store, tokens, logits, trace, 0..self.dims.layers, 0)
+    }
+
+    /// Decodes one token; returns its logits.
+    pub fn decode(&self, store: &mut dyn ModelStore, token: u32) -> Result<Vec<f32>, Error> {
+        self.step(store, &[token], Logits::Last, None)
+    }
+
+    /// Prefills `tokens` after what `store` holds, in chunks of at most `chunk` tokens, in
+    /// `mode`; returns the last token's logits.
+    pub fn prefill(
+        &self,
+        store: &mut dyn ModelStore,
+        tokens: &[u32],
+        mode: PrefillMode,
+        chunk: usize,
+    ) -> Result<Vec<f32>, Error> {
+        self.prefill_steps(store, tokens, 0, mode, chunk)
+    }
+
+    /// Bounded replay (spec §7) then prefill: `store` holds a restored prefix whose global KV
+    /// is complete but whose window is missing; `replay` are its last tokens (at most the
+    /// window; positions `store.len() - replay.len() ..`, a multiple of every compress ratio).
+    /// They run again with the new `tokens`, regenerating window KV only (cached global
+    /// entries are never rewritten), every window truncated at the replay start. Returns the
+    /// last token's logits (with no new tokens, the next-token logits of the prefix).
+    pub fn prefill_replay(
+        &self,
+        store: &mut dyn ModelStore,
+        replay: &[u32],
+        tokens: &[u32],
+        mode: PrefillMode,
+        chunk: usize,
+    ) -> Result<Vec<f32>, Error> {
+        if replay.is_empty() {
+            return self.prefill(store, tokens, mode, chunk);
+        }
+        let len = store.len();
+        let from = len.checked_sub(replay.len() as u64).ok_or_else(|| {
+            Error::ModelInput(format!(
+                "a replay of {} tokens is longer than the {len} the store holds",
+                replay.len()
+            ))
+        })?;
+        store.begin_replay(from)?;
+        let mut all = Vec::with_capacity(replay.len() + tokens.len());
+        all.extend_from_slice(replay);
+        all.extend_from_slice(tokens);
+        self.prefill_steps(store, &all, replay.len(), mode, chunk)
+    }
+
+    /// How a prefill of `tokens` tokens from position `start` runs, step by step, in `mode`
+    /// with chunks of at most `chunk` tokens; the first `replayed` tokens are a bounded replay
+    /// and all run in the first step (spec §7). CED (spec §3) gives encoder-only steps for all
+    /// but the last `sliding_window` tokens, unless a replay is longer than that part.
+    pub fn prefill_plan(
+        &self,
+        start: u64,
+        tokens: usize,
+        replayed: usize,
+        mode: PrefillMode,
+        chunk: usize,
+    ) -> Vec<PrefillStep> {
+        let chunk = chunk.max(1);
+        let total = start + tokens as u64;
+        let (mut split, ws) = match mode {
+            PrefillMode::Exact => (0, 0),
+            PrefillMode::Ced => {
+                let from = total.saturating_sub(self.window() as u64);
+                ((from.saturating_sub(start)) as usize, from)
+            }
+        };
+        if split < replayed {
+            // The replay must commit in one step; a short suffix runs every layer instead.
+            split = 0;
+        }
+        let split = split.min(tokens);
+        let mut steps = Vec::new();
+        let mut at = 0usize;
+        for (encoder_only, hi) in [(true, split), (false, tokens)] {
+            while at < hi {
+                let bonus = if at == 0 { replayed } else { 0 };
+                let end = (at + chunk + bonus).min(hi);
+                steps.push(PrefillStep {
+                    tokens: at..end,
+                    encoder_only,
+                    decoder_window_start: ws,
+                });
+                at = end;
+            }
+        }
+        steps
+    }
+
+    /// One CED encoder-only prefill step ([`PrefillStep::encoder_only`]): the encoder layers
+    /// over `tokens`, the decoder's KV sources from the boundary state; committed to `store`.
+    pub fn step_encoder(
+        &self,
+        store: &mut dyn ModelStore,
+        tokens: &[u32],
+        decoder_window_start: u64,
+    ) -> Result<(), Error> {
+        self.run(
+            store,
+            tokens,
+            Logits::None,
+            None,
+            0..self.boundary(),
+            decoder_window_start,
+        )?;
+        Ok(())
+    }
+
+    /// Prefill of `tokens` from `store.step_start()`; the first `replayed` of them are a
+    /// replay, which must all run in the first step.
+    fn prefill_steps(
+        &self,
+        store: &mut dyn ModelStore,
+        tokens: &[u32],
+        replayed: usize,
+        mode: PrefillMode,
+        chunk: usize,
+    ) -> Result<Vec<f32>, Error> {
+        if tokens.is_empty() {
+            return Err(Error::ModelInput(
+                "a prefill needs at least one token".into(),
+            ));
+        }
+        let plan = self.prefill_plan(store.step_start(), tokens.len(), replayed, mode, chunk);
+        let mut last = Vec::new();
+        let k = plan.len();
+        for (i, st) in plan.into_iter().enumerate() {
+            let c = &tokens[st.tokens];
+            if st.encoder_only {
+                self.step_encoder(store, c, st.decoder_window_start)?;
+            } else {
+                let want = if i + 1 == k {
+                    Logits::Last
+                } else {
+                    Logits::None
+                };
+                last = self.run(
+                    store,
+                    c,
+                    want,
+                    None,
+                    0..self.dims.layers,
+                    st.decoder_window_start,
+                )?;
+            }
+        }
+        Ok(last)
+    }
+}

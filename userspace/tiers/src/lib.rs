@@ -1,0 +1,37 @@
+//! Tiered persistence of the KV cache (spec §7): an SSD store for global KV and a DRAM pool
+//! for window KV.
+//!
+//! - [`store`]: [`SsdStore`], content-addressed blocks of global KV in segments on an SSD
+//!   (a directory of segment files, a preallocated file or a raw block device), written by a
+//!   write-behind thread through the `kvstack-driver` block I/O engine, recovered on open,
+//!   retained at least 72 hours after last use, compacted, read under leases.
+//! - [`window_pool`]: [`WindowPool`], window-KV snapshots in pinned DRAM (10% of RAM by default) with
+//!   a TTL and LRU eviction.
+//! - [`unit`](mod@unit): [`Tiers`], the prefix units the runtime persists and looks up:
+//!   building block payloads from the paged cache, restoring them into it, the window snapshot
+//!   or the bounded replay that a global hit needs.
+//! - [`clock`]: injected time, so retention and TTL rules are tested instantly.
+//!
+//! The on-disk bytes are drawn in `docs/ssd-format.md`; the rules in `docs/tiers.md`.
+
+pub mod clock;
+mod error;
+pub mod fsck;
+pub mod key;
+mod scan;
+mod segment;
+pub mod store;
+pub mod unit;
+pub mod window_pool;
+
+pub use clock::{Clock, HOUR_MS, ManualClock, SystemClock};
+pub use error::{Error, Result};
+pub use key::{ModelFingerprint, Tenant};
+pub use scan::Damage;
+pub use segment::StoreLocation;
+pub use store::{
+    BlockSource, ReadOutcome, ReclaimReport, RecoveryReport, SsdStore, StoreHit, StoreOptions,
+    StoreStats, UnitTicket, UnitWrite,
+};
+pub use unit::{Restored, TierHit, TierOptions, Tiers};
+pub use window_pool::{PoolOptions, PoolStats, WindowPool};

@@ -1,0 +1,353 @@
+//! Where segments live: a directory of segment files, or fixed-size slots of one preallocated
+//! file or raw block device.
+//!
+//! - Directory: segment `id` is the file `seg-<id as 16 hex digits>.kvs`, preallocated to the
+//!   segment size when created and removed when freed. At most `capacity / segment_bytes`
+//!   files exist at once.
+//! - Device (or one preallocated file): slot `k` is the byte range
+//!   `[k * segment_bytes, (k + 1) * segment_bytes)`. A slot is in use when its first page holds
+//!   a valid segment header of this store; freeing a slot zeroes that page. Records carry
+//!   their segment id, so bytes a slot held in an earlier life are never mistaken for new ones.
+
+use std::collections::BTreeSet;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use kvstack_driver::blockio::{OpenMode, file_size, open_file, preallocate};
+use kvstack_driver::pinned::{HugePages, Locking, PinnedOptions, PinnedRegion};
+use kvstack_firmware_interface::record::{ALIGN, SEGMENT_HEADER_PAGE};
+use serde::Serialize;
+
+use crate::{Error, Result};
+
+/// Where a store keeps its segments.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub enum StoreLocation {
+    /// A directory of segment files (created if missing).
+    Directory(PathBuf),
+    /// An existing preallocated file or raw block device, cut into segment slots.
+    Device(PathBuf),
+}
+
+impl StoreLocation {
+    /// The path.
+    pub fn path(&self) -> &Path {
+        match self {
+            StoreLocation::Directory(p) | StoreLocation::Device(p) => p,
+        }
+    }
+
+    /// The directory whose file system holds the data (for the `O_DIRECT` probe).
+    pub fn probe_dir(&self) -> PathBuf {
+        match self {
+            StoreLocation::Directory(p) => p.clone(),
+            StoreLocation::Device(p) => p
+                .parent()
+                .filter(|d| !d.as_os_str().is_empty())
+                .map_or_else(|| PathBuf::from("."), Path::to_path_buf),
+        }
+    }
+}
+
+/// One segment's bytes: a file (or device) range. Holding an `Arc<SegmentFile>` is a **lease**:
+/// the store frees (deletes or reuses) a segment only once no lease but its own remains, so a
+/// reader never sees its bytes change under it.
+#[derive(Debug)]
+pub(crate) struct SegmentFile {
+    /// Segment id (unique for the life of the store).
+    pub id: u64,
+    /// Slot (device) or the id again (directory).
+    pub slot: u64,
+    /// The segment file, or the device.
+    pub path: PathBuf,
+    pub file: Arc<File>,
+    /// Byte offset of the segment in `file`.
+    pub base: u64,
+    /// Bytes of the segment.
+    pub bytes: u64,
+}
+
+/// An existing segment slot found when opening.
+#[derive(Debug)]
+pub(crate) struct ExistingSlot {
+    pub slot: u64,
+    /// Directory mode: the id parsed from the file name.
+    pub named_id: Option<u64>,
+    pub path: PathBuf,
+    pub file: Arc<File>,
+    pub base: u64,
+    pub bytes: u64,
+}
+
+/// The set of segment slots.
+#[derive(Debug)]
+pub(crate) struct Space {
+    pub location: StoreLocation,
+    pub segment_bytes: u64,
+    /// Most segments at once.
+    pub slots: u64,
+    pub direct: bool,
+    pub read_only: bool,
+    device: Option<Arc<File>>,
+    used: BTreeSet<u64>,
+}
+
+fn segment_name(id: u64) -> String {
+    format!("seg-{id:016x}.kvs")
+}
+
+fn parse_segment_name(name: &str) -> Option<u64> {
+    let hex = name.strip_prefix("seg-")?.strip_suffix(".kvs")?;
+    if hex.len() != 16 {
+        return None;
+    }
+    u64::from_str_radix(hex, 16).ok()
+}
+
+impl Space {
+    /// Opens the location. `capacity` bounds a directory store (ignored for a device, whose
+    /// size is the capacity).
+    pub fn open(
+        location: &StoreLocation,
+        segment_bytes: u64,
+        capacity: u64,
+        direct: bool,
+        read_only: bool,
+    ) -> Result<Space> {
+        if segment_bytes < 4 * ALIGN as u64 || !segment_bytes.is_multiple_of(ALIGN as u64) {
+            return Err(Error::InvalidOption {
+                field: "segment_bytes",
+                reason: format!("{segment_bytes} is not a multiple of 4096 of at least 16384"),
+            });
+        }
+        let (slots, device) = match location {
+            StoreLocation::Directory(dir) => {
+                if !read_only {
+                    std::fs::create_dir_all(dir)
+                        .map_err(|e| Error::io("cannot create store directory", dir, e))?;
+                } else if !dir.is_dir() {
+                    return Err(Error::Location {
+                        path: dir.clone(),
+                        reason: "no such store directory".into(),
+                    });
+                }
+                (capacity / segment_bytes, None)
+            }
+            StoreLocation::Device(path) => {
+                let f = open_file(
+                    path,
+                    OpenMode {
+                        write: !read_only,
+                        create: false,
+                        direct,
+                    },
+                )
+                .map_err(|e| Error::io("cannot open store device", path, e))?;
+                let size =
+                    file_size(&f).map_err(|e| Error::io("cannot size store device", path, e))?;
+                (size / segment_bytes, Some(Arc::new(f)))
+            }
+        };
+        if slots < 3 {
+            return Err(Error::InvalidOption {
+                field: "capacity_bytes",
+                reason: format!(
+                    "room for {slots} segments of {segment_bytes} bytes; at least 3 are needed \
+                     (one is kept in reserve for compaction)"
+                ),
+            });
+        }
+        Ok(Space {
+            location: location.clone(),
+            segment_bytes,
+            slots,
+            direct,
+            read_only,
+            device,
+            used: BTreeSet::new(),
+        })
+    }
+
+    /// Every slot that may hold a segment: directory files named like segments, or every
+    /// device slot.
+    pub fn existing(&self) -> Result<Vec<ExistingSlot>> {
+        match (&self.location, &self.device) {
+            (StoreLocation::Directory(dir), _) => {
+                let mut out = Vec::new();
+                let entries = std::fs::read_dir(dir)
+                    .map_err(|e| Error::io("cannot list store directory", dir, e))?;
+                for entry in entries {
+                    let entry =
+                        entry.map_err(|e| Error::io("cannot list store directory", dir, e))?;
+                    let name = entry.file_name();
+                    let Some(id) = name.to_str().and_then(parse_segment_name) else {
+                        continue;
+                    };
+                    let path = entry.path();
+                    let f = open_file(
+                        &path,
+                        OpenMode {
+                            write: !self.read_only,
+                            create: false,
+                            direct: self.direct,
+                        },
+                    )
+                    .map_err(|e| Error::io("cannot open segment", &path, e))?;
+                    let bytes =
+                        file_size(&f).map_err(|e| Error::io("cannot size segment", &path, e))?;
+                    out.push(ExistingSlot {
+                        slot: id,
+                        named_id: Some(id),
+                        path,
+                        file: Arc::new(f),
+                        base: 0,
+                        bytes,
+                    });
+                }
+                out.sort_by_key(|s| s.slot);
+                Ok(out)
+            }
+            (StoreLocation::Device(path), Some(f)) => Ok((0..self.slots)
+                .map(|k| ExistingSlot {
+                    slot: k,
+                    named_id: None,
+                    path: path.clone(),
+                    file: Arc::clone(f),
+                    base: k * self.segment_bytes,
+                    bytes: self.segment_bytes,
+                })
+                .collect()),
+            (StoreLocation::Device(path), None) => Err(Error::Location {
+                path: path.clone(),
+                reason: "device not open".into(),
+            }),
+        }
+    }
+
+    /// Marks a recovered slot as used.
+    pub fn mark_used(&mut self, slot: u64) {
+        self.used.insert(slot);
+    }
+
+    /// Slots in use.
+    pub fn used(&self) -> u64 {
+        self.used.len() as u64
+    }
+
+    /// Free slots.
+    pub fn free(&self) -> u64 {
+        self.slots.saturating_sub(self.used())
+    }
+
+    /// Creates the storage of segment `id` (its header is written by the caller).
+    pub fn create(&mut self, id: u64) -> Result<SegmentFile> {
+        if self.read_only {
+            return Err(Error::ReadOnly);
+        }
+        if self.free() == 0 {
+            return Err(Error::StoreFull {
+                needed: self.segment_bytes,
+            });
+        }
+        match (&self.location, &self.device) {
+            (StoreLocation::Directory(dir), _) => {
+                let path = dir.join(segment_name(id));
+                let f = open_file(
+                    &path,
+                    OpenMode {
+                        write: true,
+                        create: true,
+                        direct: self.direct,
+                    },
+                )
+                .map_err(|e| Error::io("cannot create segment", &path, e))?;
+                preallocate(&f, self.segment_bytes)
+                    .map_err(|e| Error::io("cannot preallocate segment", &path, e))?;
+                // The new name must survive a crash along with the data written into it: the
+                // directory is synced with the batch that first writes into it, so creation
+                // itself does not wait for a journal commit.
+                self.used.insert(id);
+                Ok(SegmentFile {
+                    id,
+                    slot: id,
+                    path,
+                    file: Arc::new(f),
+                    base: 0,
+                    bytes: self.segment_bytes,
+                })
+            }
+            (StoreLocation::Device(path), Some(f)) => {
+                let Some(slot) = (0..self.slots).find(|s| !self.used.contains(s)) else {
+                    return Err(Error::StoreFull {
+                        needed: self.segment_bytes,
+                    });
+                };
+                self.used.insert(slot);
+                Ok(SegmentFile {
+                    id,
+                    slot,
+                    path: path.clone(),
+                    file: Arc::clone(f),
+                    base: slot * self.segment_bytes,
+                    bytes: self.segment_bytes,
+                })
+            }
+            (StoreLocation::Device(path), None) => Err(Error::Location {
+                path: path.clone(),
+                reason: "device not open".into(),
+            }),
+        }
+    }
+
+    /// Frees a segment nobody else holds a lease on: removes its file, or zeroes its slot's
+    /// header page. Not synced: a freed segment that reappears after a crash holds only
+    /// complete, checksummed records that were reclaimable anyway.
+    pub fn release(&mut self, seg: &SegmentFile) -> Result<()> {
+        self.used.remove(&seg.slot);
+        match &self.location {
+            StoreLocation::Directory(_) => std::fs::remove_file(&seg.path)
+                .map_err(|e| Error::io("cannot remove segment", &seg.path, e)),
+            StoreLocation::Device(_) => {
+                let mut page = PinnedRegion::new(
+                    SEGMENT_HEADER_PAGE,
+                    PinnedOptions {
+                        huge_pages: HugePages::Never,
+                        locking: Locking::Never,
+                    },
+                )
+                .map_err(Error::Memory)?;
+                page.as_mut_slice().fill(0);
+                seg.file
+                    .write_all_at(&page.as_slice()[..SEGMENT_HEADER_PAGE], seg.base)
+                    .map_err(|e| Error::io("cannot clear segment slot of", &seg.path, e))
+            }
+        }
+    }
+
+    /// Removes a directory file that holds no valid segment (a segment created just before a
+    /// crash, before its header was durable).
+    pub fn remove_invalid(&mut self, slot: &ExistingSlot) -> Result<()> {
+        if self.read_only {
+            return Ok(());
+        }
+        if let StoreLocation::Directory(_) = self.location {
+            std::fs::remove_file(&slot.path)
+                .map_err(|e| Error::io("cannot remove invalid segment", &slot.path, e))?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn segment_names_roundtrip() {
+        assert_eq!(parse_segment_name(&segment_name(0xabc)), Some(0xabc));
+        assert_eq!(parse_segment_name("seg-12.kvs"), None);
+        assert_eq!(parse_segment_name("other"), None);
+    }
+}

@@ -1,0 +1,564 @@
+//! Prefix units: what the runtime persists and finds again (spec §7, §8).
+//!
+//! A **unit** is a token prefix of one tenant whose global KV is stored on SSD, as a chain of
+//! blocks of one page (`page_tokens`, 256) each; the last may be shorter, since a unit ends
+//! where it was persisted (a multiple of the largest compress ratio, 2). Units are persisted,
+//! as the DeepSeek API does, at the end of each prompt and each output and every
+//! `unit_interval_tokens` (4096) tokens of a long input ([`Tiers::unit_points`]). When a unit
+//! is persisted at the end of a sequence, its window (every layer's last 128 FP8 rows plus the
+//! pending compressor state) goes to the DRAM pool under the unit's key.
+//!
+//! [`Tiers::lookup`] returns the longest stored prefix (ending at a block end) and whether a
+//! window snapshot exists exactly there. [`Tiers::restore`] rebuilds the prefix in a
+//! [`KvCache`]: blocks the cache's own prefix index still holds are mapped without I/O, the
+//! rest are read from SSD and appended; the window comes from the snapshot, or, on a global
+//! hit without one, the result says which tokens the runtime must replay (spec §7 bounded
+//! replay: the last 128 tokens of the prefix, regenerating window KV only).
+//!
+//! Block payload (`docs/ssd-format.md`): for each KV source in layer order, its global entries
+//! of the block's tokens (`tokens / ratio` x 288 bytes), then its indexer keys (x 68 bytes).
+
+use std::sync::Arc;
+
+use kvstack_firmware_interface::record::{KEY_BYTES, Key};
+use kvstack_firmware_interface::{GlobalFp4Entry, IndexMxfp4Entry, WindowFp8Entry};
+use serde::Serialize;
+use zerocopy::{FromBytes, IntoBytes};
+
+use crate::clock::Clock;
+use crate::key::{ModelFingerprint, Tenant};
+use crate::store::{
+    BlockSource, ReadOutcome, SsdStore, StoreHit, StoreOptions, UnitTicket, UnitWrite,
+};
+use crate::window_pool::{PoolOptions, WindowPool};
+use crate::{Error, Result};
+use kvstack_cache::{AppendData, CacheGeometry, KvCache, SequenceId};
+use kvstack_spec::config::ModelConfig;
+
+/// Default interval of units within a long input, in tokens.
+pub const DEFAULT_UNIT_INTERVAL: u64 = 4096;
+
+/// Magic of a window snapshot in the pool.
+const SNAPSHOT_MAGIC: [u8; 8] = *b"KVWSNAP1";
+const SNAPSHOT_HEADER: usize = 32;
+
+/// Options of [`Tiers::open`].
+#[derive(Clone, Debug)]
+pub struct TierOptions {
+    /// The SSD store.
+    pub store: StoreOptions,
+    /// The DRAM pool (its slot size is set from the model by [`Tiers::open`]).
+    pub pool: PoolOptions,
+    /// A unit every this many tokens of a long input.
+    pub unit_interval_tokens: u64,
+    /// Identity of the model's weights, mixed into the model fingerprint
+    /// ([`ModelFingerprint::with_weights`]); empty: the config alone.
+    pub weights_id: Vec<u8>,
+}
+
+impl TierOptions {
+    /// Defaults around a store location.
+    pub fn new(store: StoreOptions) -> TierOptions {
+        TierOptions {
+            store,
+            pool: PoolOptions::new(1),
+            unit_interval_tokens: DEFAULT_UNIT_INTERVAL,
+            weights_id: Vec::new(),
+        }
+    }
+}
+
+/// What [`Tiers::lookup`] found.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TierHit {
+    /// Tokens of the longest stored prefix.
+    pub tokens: u64,
+    /// Whether the DRAM pool holds a window snapshot exactly at its end.
+    pub window: bool,
+    /// The matched blocks.
+    pub store: StoreHit,
+}
+
+impl TierHit {
+    /// The unit key of the prefix (its last block's key).
+    pub fn key(&self) -> Option<Key> {
+        self.store.end()
+    }
+}
+
+/// Which tokens to replay to rebuild the window after a global hit without a snapshot (spec
+/// §7): positions `[start, end)`, whose replay regenerates window KV only and never
+/// overwrites the restored global KV. The uncached suffix follows as usual.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct ReplayPlan {
+    /// First position to replay (`end - sliding_window`, at least 0).
+    pub start: u64,
+    /// End of the restored prefix.
+    pub end: u64,
+}
+
+/// What [`Tiers::restore`] did.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Restored {
+    /// The new sequence (possibly empty when nothing could be restored).
+    pub seq: SequenceId,
+    /// Tokens it holds.
+    pub tokens: u64,
+    /// Of those, tokens mapped from the paged cache's own prefix index (no I/O).
+    pub mapped_tokens: u64,
+    /// Tokens read from SSD.
+    pub read_tokens: u64,
+    /// Bytes of block payload read from SSD.
+    pub read_bytes: u64,
+    /// Whether the window (and pending state) came from a DRAM snapshot.
+    pub window: bool,
+    /// When it did not: the replay that rebuilds it.
+    pub replay: Option<ReplayPlan>,
+    /// Whether a damaged block cut the restore short (the rest is a miss).
+    pub damaged: bool,
+}
+
+/// The SSD store and the DRAM pool of one model. See the module docs.
+#[derive(Debug)]
+pub struct Tiers {
+    store: SsdStore,
+    pool: WindowPool,
+    model: ModelFingerprint,
+    geometry: CacheGeometry,
+    interval: u64,
+    align: u64,
+}
+
+/// Bytes of one block payload of `tokens` tokens (a multiple of every ratio).
+pub fn block_payload_bytes(g: &CacheGeometry, tokens: u64) -> u64 {
+    g.sources
+        .iter()
+        .map(|s| tokens / u64::from(s.ratio) * (g.global_entry_bytes + g.index_entry_bytes) as u64)
+        .sum()
+}
+
+/// Bytes of a window snapshot of a sequence of this geometry.
+pub fn snapshot_bytes(g: &CacheGeometry) -> usize {
+    let pending: usize = g
+        .sources
+        .iter()
+        .map(|s| 4 + s.max_pending_tokens * g.pending_token_floats * 4)
+        .sum();
+    SNAPSHOT_HEADER + g.num_layers * g.window_tokens * g.window_entry_bytes + pending
+}
+
+/// The [`BlockSource`] of a sequence in a paged cache: page `k` of every pool covers the same
+/// tokens as block `k`.
+struct CacheBlocks<'a> {
+    cache: &'a KvCache,
+    seq: SequenceId,
+}
+
+impl BlockSource for CacheBlocks<'_> {
+    fn block_payload(
+        &self,
+        index: usize,
+        first_token: u64,
+        tokens: usize,
+        out: &mut Vec<u8>,
+    ) -> Result<()> {
+        let g = self.cache.geometry();
+        let bad = |reason: String| Error::Payload {
+            block: index,
+            tokens: tokens as u64,
+            reason,
+        };
+        if first_token != (index * g.page_tokens) as u64 {
+            return Err(bad("block does not start at its page".into()));
+        }
+        for s in &g.sources {
+            let m = s.ratio as usize;
+            let n = tokens / m;
+            let global = self
+                .cache
+                .global_entries(self.seq, s.layer)
+                .map_err(Error::Cache)?;
+            let page = global
+                .page(index)
+                .and_then(|p| p.get(..n))
+                .ok_or_else(|| bad(format!("layer {}: global entries missing", s.layer)))?;
+            out.extend_from_slice(page.as_bytes());
+            let keys = self
+                .cache
+                .index_keys(self.seq, s.layer)
+                .map_err(Error::Cache)?;
+            let page = keys
+                .page(index)
+                .and_then(|p| p.get(..n))
+                .ok_or_else(|| bad(format!("layer {}: indexer keys missing", s.layer)))?;
+            out.extend_from_slice(page.as_bytes());
+        }
+        Ok(())
+    }
+}
+
+impl Tiers {
+    /// Opens the store and the pool for `cfg` stored in pages of `page_tokens` tokens.
+    ///
+    /// # Errors
+    /// Config, plan and geometry errors; the store's and pool's errors.
+    pub fn open(
+        cfg: &ModelConfig,
+        page_tokens: u32,
+        mut opts: TierOptions,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Tiers> {
+        let plan = kvstack_spec::plan::LayerPlan::from_config(cfg).map_err(Error::Config)?;
+        let geometry = CacheGeometry::new(cfg, &plan, page_tokens).map_err(Error::Cache)?;
+        let model = ModelFingerprint::new(cfg, geometry.page_tokens).with_weights(&opts.weights_id);
+        let block = block_payload_bytes(&geometry, geometry.page_tokens as u64) as usize
+            + 4 * geometry.page_tokens;
+        opts.store.max_block_payload = opts.store.max_block_payload.max(block);
+        opts.pool.slot_bytes = snapshot_bytes(&geometry);
+        let align = geometry
+            .sources
+            .iter()
+            .map(|s| u64::from(s.ratio))
+            .max()
+            .unwrap_or(1);
+        let store = SsdStore::open(opts.store, Arc::clone(&clock))?;
+        let pool = WindowPool::new(opts.pool, clock)?;
+        Ok(Tiers {
+            store,
+            pool,
+            model,
+            geometry,
+            interval: opts.unit_interval_tokens.max(1),
+            align,
+        })
+    }
+
+    /// The SSD store.
+    pub fn store(&self) -> &SsdStore {
+        &self.store
+    }
+
+    /// The DRAM window pool.
+    pub fn pool(&self) -> &WindowPool {
+        &self.pool
+    }
+
+    /// The model fingerprint keys are derived from.
+    pub fn model(&self) -> &ModelFingerprint {
+        &self.model
+    }
+
+    /// The page geometry.
+    pub fn geometry(&self) -> &CacheGeometry {
+        &self.geometry
+    }
+
+    /// Where units are persisted while a sequence grows from `start` to `end` tokens: every
+    /// multiple of `unit_interval_tokens` in `(start, end]`, and `end` itself (rounded down to
+    /// the largest compress ratio) when `end_of_turn` (the end of a prompt or an output).
+    pub fn unit_points(&self, start: u64, end: u64, end_of_turn: bool) -> Vec<u64> {
+        let mut points: Vec<u64> = ((start / self.interval + 1)..=(end / self.interval))
+            .map(|k| k * self.interval)
+            .collect();
+        if end_of_turn {
+            let e = end / self.align * self.align;
+            if e > 0 && points.last() != Some(&e) && e > start {
+                points.push(e);
+            }
+        }
+        points
+    }
+
+    /// Persists the first `upto` tokens of `seq` as a unit (write-behind: returns at once
+    /// with a ticket). When `upto` is the sequence's length and its window is complete, the
+    /// window snapshot goes to the DRAM pool under the unit's key.
+    ///
+    /// # Errors
+    /// [`Error::Unaligned`] (not a multiple of the largest ratio, or past the end), cache
+    /// errors, and those of [`SsdStore::put_unit`].
+    pub fn persist(
+        &self,
+        cache: &KvCache,
+        seq: SequenceId,
+        tenant: &Tenant,
+        upto: u64,
+    ) -> Result<UnitTicket> {
+        let len = cache.len(seq).map_err(Error::Cache)?;
+        if upto == 0 || upto > len || !upto.is_multiple_of(self.align) {
+            return Err(Error::Unaligned {
+                tokens: upto,
+                align: self.align,
+            });
+        }
+        let tokens = cache.tokens(seq).map_err(Error::Cache)?;
+        let source = CacheBlocks { cache, seq };
+        let ticket = self.store.put_unit(&UnitWrite {
+            model: &self.model,
+            tenant,
+            tokens: &tokens[..upto as usize],
+            page_tokens: self.geometry.page_tokens,
+            align: self.align as usize,
+            source: &source,
+        })?;
+        if upto == len
+            && let Some(snap) = self.window_snapshot(cache, seq)?
+        {
+            self.pool.put(ticket.key, &snap)?;
+        }
+        Ok(ticket)
+    }
+
+    /// The window snapshot of `seq` (rows and pending state), or `None` when its window does
+    /// not hold every row it should (after a prefix hit whose window was not rebuilt).
+    fn window_snapshot(&self, cache: &KvCache, seq: SequenceId) -> Result<Option<Vec<u8>>> {
+        let g = &self.geometry;
+        let len = cache.len(seq).map_err(Error::Cache)?;
+        let rows = len.min(g.window_tokens as u64);
+        let mut out = Vec::with_capacity(snapshot_bytes(g));
+        out.extend_from_slice(&SNAPSHOT_MAGIC);
+        out.extend_from_slice(&len.to_le_bytes());
+        out.extend_from_slice(&(g.num_layers as u32).to_le_bytes());
+        out.extend_from_slice(&(rows as u32).to_le_bytes());
+        out.extend_from_slice(&(g.sources.len() as u32).to_le_bytes());
+        out.extend_from_slice(&0u32.to_le_bytes());
+        for l in 0..g.num_layers {
+            let w = cache.window(seq, l).map_err(Error::Cache)?;
+            if w.range() != (len - rows..len) {
+                return Ok(None);
+            }
+            for (_, row) in w.iter() {
+                out.extend_from_slice(row.as_bytes());
+            }
+        }
+        for s in &g.sources {
+            let pending: &[f32] = if s.ratio > 1 {
+                match cache.pending(seq, s.layer).map_err(Error::Cache)? {
+                    Some(p) => p,
+                    None => return Ok(None),
+                }
+            } else {
+                &[]
+            };
+            out.extend_from_slice(&(pending.len() as u32).to_le_bytes());
+            for v in pending {
+                out.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+        Ok(Some(out))
+    }
+
+    /// The longest stored prefix of `tokens` for `tenant`, and whether a window snapshot
+    /// exists exactly at its end.
+    pub fn lookup(&self, tokens: &[u32], tenant: &Tenant) -> TierHit {
+        let store = self
+            .store
+            .lookup(&self.model, tenant, tokens, self.geometry.page_tokens);
+        let window = store.end().is_some_and(|k| self.pool.contains(&k));
+        TierHit {
+            tokens: store.tokens,
+            window,
+            store,
+        }
+    }
+
+    /// Creates a sequence in `cache` holding the prefix `hit` found for `tokens` (module
+    /// docs). A damaged or vanished block cuts the restore short: the sequence then holds the
+    /// prefix before it, and the result says so.
+    ///
+    /// # Errors
+    /// Cache errors (no room, too many sequences), I/O set-up failures.
+    pub fn restore(&self, cache: &mut KvCache, tokens: &[u32], hit: &TierHit) -> Result<Restored> {
+        let g = self.geometry.clone();
+        let p = g.page_tokens as u64;
+        let want = hit.tokens.min(tokens.len() as u64);
+        // Whole blocks the cache's own prefix index still holds cost no I/O.
+        let mapped = cache
+            .lookup_prefix(&tokens[..want as usize])
+            .min(want / p * p);
+        let created = cache
+            .create_sequence_with_prefix(tokens, mapped)
+            .map_err(Error::Cache)?;
+        let seq = created.seq;
+        let mapped = created.tokens;
+        let first_block = (mapped / p) as usize;
+        let keys = hit.store.keys.get(first_block..).unwrap_or_default();
+        let mut read_bytes = 0u64;
+        let empty: Vec<&[f32]> = vec![&[]; g.sources.len()];
+        let read = self.store.read_blocks(keys, |i, h, kv| {
+            let idx = (first_block + i) as u64;
+            let first = idx * p;
+            let n = u64::from(h.tokens);
+            let expect = block_payload_bytes(&g, n);
+            let bad = |reason: String| Error::Payload {
+                block: idx as usize,
+                tokens: n,
+                reason,
+            };
+            if kv.len() as u64 != expect {
+                return Err(bad(format!(
+                    "{} payload bytes, expected {expect}",
+                    kv.len()
+                )));
+            }
+            let tok = tokens
+                .get(first as usize..(first + n) as usize)
+                .ok_or_else(|| bad("block past the request's tokens".into()))?;
+            let mut global = Vec::with_capacity(g.sources.len());
+            let mut index = Vec::with_capacity(g.sources.len());
+            let mut rest = kv;
+            for s in &g.sources {
+                let e = (n / u64::from(s.ratio)) as usize;
+                let (a, r) = rest.split_at(e * g.global_entry_bytes);
+                let (b, r) = r.split_at(e * g.index_entry_bytes);
+                rest = r;
+                global.push(
+                    <[GlobalFp4Entry]>::ref_from_bytes(a)
+                        .map_err(|_| bad("global entries".into()))?,
+                );
+                index.push(
+                    <[IndexMxfp4Entry]>::ref_from_bytes(b)
+                        .map_err(|_| bad("indexer keys".into()))?,
+                );
+            }
+            cache
+                .append(
+                    seq,
+                    &AppendData {
+                        tokens: tok,
+                        global,
+                        index,
+                        window: &[],
+                        pending: empty.clone(),
+                    },
+                )
+                .map_err(Error::Cache)?;
+            read_bytes += kv.len() as u64;
+            Ok(())
+        });
+        let outcome = match read {
+            Ok(o) => o,
+            Err(e) => {
+                // Leave no half-restored sequence behind.
+                let _ = cache.drop_sequence(seq);
+                return Err(e);
+            }
+        };
+        let len = cache.len(seq).map_err(Error::Cache)?;
+        let mut window = false;
+        if len == want && hit.window && len > 0 {
+            window = self.restore_window(cache, seq, hit)?;
+        }
+        let replay = (!window && len > 0).then(|| ReplayPlan {
+            start: len.saturating_sub(g.window_tokens as u64),
+            end: len,
+        });
+        Ok(Restored {
+            seq,
+            tokens: len,
+            mapped_tokens: mapped,
+            read_tokens: len - mapped,
+            read_bytes,
+            window,
+            replay,
+            damaged: matches!(outcome, ReadOutcome::Damaged { .. }),
+        })
+    }
+
+    /// Writes the pool's snapshot at the hit's end into the sequence; false when it is gone
+    /// (expired since the lookup) or does not fit.
+    fn restore_window(&self, cache: &mut KvCache, seq: SequenceId, hit: &TierHit) -> Result<bool> {
+        let Some(key) = hit.key() else {
+            return Ok(false);
+        };
+        let g = &self.geometry;
+        let len = cache.len(seq).map_err(Error::Cache)?;
+        let mut snap = Vec::new();
+        if !self.pool.get(&key, &mut snap) {
+            return Ok(false);
+        }
+        let Some(parsed) = parse_snapshot(&snap, g) else {
+            log::warn!("window snapshot does not match the model; ignored");
+            return Ok(false);
+        };
+        if parsed.tokens != len {
+            return Ok(false);
+        }
+        cache
+            .write_window(seq, len - parsed.rows, parsed.window)
+            .map_err(Error::Cache)?;
+        for (s, values) in g.sources.iter().zip(&parsed.pending) {
+            if s.ratio > 1 && !values.is_empty() {
+                cache
+                    .set_pending(seq, s.layer, values)
+                    .map_err(Error::Cache)?;
+            }
+        }
+        Ok(true)
+    }
+
+    /// Waits until every persisted unit is durable.
+    ///
+    /// # Errors
+    /// As [`SsdStore::flush`].
+    pub fn flush(&self) -> Result<()> {
+        self.store.flush()
+    }
+
+    /// Closes the store (see [`SsdStore::close`]).
+    ///
+    /// # Errors
+    /// As [`SsdStore::close`].
+    pub fn close(self) -> Result<()> {
+        self.store.close()
+    }
+}
+
+struct Snapshot<'a> {
+    tokens: u64,
+    rows: u64,
+    window: &'a [WindowFp8Entry],
+    pending: Vec<Vec<f32>>,
+}
+
+fn parse_snapshot<'a>(b: &'a [u8], g: &CacheGeometry) -> Option<Snapshot<'a>> {
+    let u32_at =
+        |o: usize| -> Option<u32> { Some(u32::from_le_bytes(b.get(o..o + 4)?.try_into().ok()?)) };
+    if b.get(..8)? != SNAPSHOT_MAGIC {
+        return None;
+    }
+    let tokens = u64::from_le_bytes(b.get(8..16)?.try_into().ok()?);
+    let layers = u32_at(16)? as usize;
+    let rows = u32_at(20)? as usize;
+    let sources = u32_at(24)? as usize;
+    if layers != g.num_layers || rows > g.window_tokens || sources != g.sources.len() {
+        return None;
+    }
+    let wbytes = layers * rows * g.window_entry_bytes;
+    let window =
+        <[WindowFp8Entry]>::ref_from_bytes(b.get(SNAPSHOT_HEADER..SNAPSHOT_HEADER + wbytes)?)
+            .ok()?;
+    let mut at = SNAPSHOT_HEADER + wbytes;
+    let mut pending = Vec::with_capacity(sources);
+    for _ in 0..sources {
+        let n = u32_at(at)? as usize;
+        at += 4;
+        let vals = b
+            .get(at..at + 4 * n)?
+            .chunks_exact(4)
+            .filter_map(|c| c.try_into().ok().map(f32::from_le_bytes))
+            .collect();
+        at += 4 * n;
+        pending.push(vals);
+    }
+    Some(Snapshot {
+        tokens,
+        rows: rows as u64,
+        window,
+        pending,
+    })
+}
+
+/// Hex of a whole key (for tools).
+pub fn key_to_hex(key: &Key) -> String {
+    super::key::key_hex(key, KEY_BYTES)
+}

@@ -1,0 +1,421 @@
+//! The DRAM window pool (spec §7): window-KV snapshots (every layer's last 128 FP8 rows plus
+//! pending compressor state, about 2.7 MB at V4.1 dimensions) keyed like units, in pinned
+//! memory capped at a share of the machine's RAM (10% by default), with a TTL and LRU
+//! eviction.
+//!
+//! Rules:
+//! - a snapshot expires `ttl_ms` after it was put (a later put of the same key renews it;
+//!   reading does not): at `created + ttl_ms` and after, it is never returned;
+//! - when the pool is full, a put first reuses an expired slot, then evicts the least
+//!   recently used snapshot;
+//! - the memory is one [`GrowableRegion`] reserved at the cap and committed slot by slot as the
+//!   pool fills, locked when the locked-memory limit allows.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use kvstack_driver::GrowableRegion;
+use kvstack_driver::pinned::PinnedOptions;
+use kvstack_firmware_interface::record::Key;
+use serde::Serialize;
+
+use crate::clock::Clock;
+use crate::{Error, Result};
+
+/// Default TTL of a window snapshot: 5 minutes.
+pub const DEFAULT_TTL_MS: u64 = 5 * 60 * 1000;
+
+/// Default share of the machine's RAM: 10% (spec §7).
+pub const DEFAULT_RAM_FRACTION: f64 = 0.10;
+
+/// Options of [`WindowPool::new`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PoolOptions {
+    /// Bytes the pool may hold; `None`: [`DEFAULT_RAM_FRACTION`] of `MemTotal`.
+    pub capacity_bytes: Option<u64>,
+    /// Time to live of a snapshot after its put (ms).
+    pub ttl_ms: u64,
+    /// Bytes of one slot (the largest snapshot); rounded up to 4 KiB.
+    pub slot_bytes: usize,
+    /// Huge page and locking policy.
+    pub memory: PinnedOptions,
+}
+
+impl PoolOptions {
+    /// Defaults for snapshots of at most `slot_bytes` bytes.
+    pub fn new(slot_bytes: usize) -> PoolOptions {
+        PoolOptions {
+            capacity_bytes: None,
+            ttl_ms: DEFAULT_TTL_MS,
+            slot_bytes,
+            memory: PinnedOptions::default(),
+        }
+    }
+}
+
+/// Counters and sizes of the pool.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct PoolStats {
+    /// The cap in bytes.
+    pub capacity_bytes: u64,
+    /// Bytes of one slot.
+    pub slot_bytes: u64,
+    /// Slots at most.
+    pub slots: u64,
+    /// Snapshots held (expired ones included until reclaimed).
+    pub entries: u64,
+    /// Committed (resident) bytes.
+    pub committed_bytes: u64,
+    /// Committed bytes locked in memory.
+    pub locked_bytes: u64,
+    /// Puts.
+    pub puts: u64,
+    /// Gets that returned a snapshot.
+    pub hits: u64,
+    /// Gets that found nothing.
+    pub misses: u64,
+    /// Gets (or lookups) that found an expired snapshot and dropped it.
+    pub expired: u64,
+    /// Snapshots evicted to make room (least recently used).
+    pub evicted: u64,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Slot {
+    key: Key,
+    len: usize,
+    created: u64,
+    /// LRU stamp (a counter, so ties never happen).
+    stamp: u64,
+}
+
+struct Inner {
+    region: GrowableRegion,
+    slot_bytes: usize,
+    max_slots: usize,
+    slots: Vec<Option<Slot>>,
+    map: HashMap<Key, usize>,
+    lru: BTreeSet<(u64, usize)>,
+    free: Vec<usize>,
+    next_stamp: u64,
+    stats: PoolStats,
+}
+
+impl Inner {
+    fn remove(&mut self, i: usize) {
+        if let Some(Some(s)) = self.slots.get(i).copied() {
+            self.map.remove(&s.key);
+            self.lru.remove(&(s.stamp, i));
+            self.slots[i] = None;
+            self.free.push(i);
+        }
+    }
+
+    fn touch(&mut self, i: usize) {
+        let stamp = self.next_stamp;
+        self.next_stamp += 1;
+        if let Some(Some(s)) = self.slots.get_mut(i) {
+            self.lru.remove(&(s.stamp, i));
+            s.stamp = stamp;
+            self.lru.insert((stamp, i));
+        }
+    }
+
+    fn bytes(&self, i: usize, len: usize) -> &[u8] {
+        let off = i * self.slot_bytes;
+        self.region
+            .as_slice()
+            .get(off..off + len)
+            .unwrap_or_default()
+    }
+}
+
+/// The DRAM window pool. See the module docs.
+pub struct WindowPool {
+    inner: Mutex<Inner>,
+    clock: Arc<dyn Clock>,
+    ttl_ms: u64,
+}
+
+impl std::fmt::Debug for WindowPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WindowPool")
+            .field("ttl_ms", &self.ttl_ms)
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+/// `MemTotal` of this machine, if readable.
+pub fn machine_ram_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let total = kvstack_driver::probe::parse_meminfo(&text).total_bytes;
+    (total > 0).then_some(total)
+}
+
+impl WindowPool {
+    /// A pool with `opts`. Reserves address space for the cap; commits nothing yet.
+    ///
+    /// # Errors
+    /// [`Error::InvalidOption`] for a zero slot size or a cap below one slot,
+    /// [`Error::Memory`] when the reservation fails.
+    pub fn new(opts: PoolOptions, clock: Arc<dyn Clock>) -> Result<WindowPool> {
+        if opts.slot_bytes == 0 {
+            return Err(Error::InvalidOption {
+                field: "slot_bytes",
+                reason: "is 0".into(),
+            });
+        }
+        let slot_bytes = opts.slot_bytes.next_multiple_of(4096);
+        let capacity = match opts.capacity_bytes {
+            Some(c) => c,
+            None => {
+                let ram = machine_ram_bytes().unwrap_or(8 << 30);
+                (ram as f64 * DEFAULT_RAM_FRACTION) as u64
+            }
+        };
+        let max_slots = usize::try_from(capacity / slot_bytes as u64).unwrap_or(usize::MAX);
+        if max_slots == 0 {
+            return Err(Error::InvalidOption {
+                field: "capacity_bytes",
+                reason: format!("{capacity} bytes do not hold one {slot_bytes}-byte snapshot"),
+            });
+        }
+        let region =
+            GrowableRegion::new(max_slots * slot_bytes, opts.memory).map_err(Error::Memory)?;
+        Ok(WindowPool {
+            inner: Mutex::new(Inner {
+                region,
+                slot_bytes,
+                max_slots,
+                slots: Vec::new(),
+                map: HashMap::new(),
+                lru: BTreeSet::new(),
+                free: Vec::new(),
+                next_stamp: 0,
+                stats: PoolStats {
+                    capacity_bytes: capacity,
+                    slot_bytes: slot_bytes as u64,
+                    slots: max_slots as u64,
+                    ..PoolStats::default()
+                },
+            }),
+            clock,
+            ttl_ms: opts.ttl_ms,
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn expired(&self, s: &Slot, now: u64) -> bool {
+        now >= s.created.saturating_add(self.ttl_ms)
+    }
+
+    /// Stores `bytes` under `key` (replacing any snapshot there).
+    ///
+    /// # Errors
+    /// [`Error::InvalidOption`] for a snapshot larger than a slot; [`Error::Memory`] when
+    /// memory cannot be committed.
+    pub fn put(&self, key: Key, bytes: &[u8]) -> Result<()> {
+        let now = self.clock.now_ms();
+        let mut g = self.lock();
+        let inner = &mut *g;
+        if bytes.len() > inner.slot_bytes {
+            return Err(Error::InvalidOption {
+                field: "slot_bytes",
+                reason: format!(
+                    "a {}-byte snapshot does not fit a {}-byte slot",
+                    bytes.len(),
+                    inner.slot_bytes
+                ),
+            });
+        }
+        let i = if let Some(&i) = inner.map.get(&key) {
+            i
+        } else if let Some(i) = inner.free.pop() {
+            i
+        } else if inner.slots.len() < inner.max_slots {
+            let i = inner.slots.len();
+            inner
+                .region
+                .commit((i + 1) * inner.slot_bytes)
+                .map_err(Error::Memory)?;
+            inner.slots.push(None);
+            i
+        } else {
+            // Full: an expired snapshot first (oldest first), else the least recently used.
+            let expired = inner
+                .slots
+                .iter()
+                .enumerate()
+                .filter_map(|(i, s)| s.filter(|s| self.expired(s, now)).map(|s| (s.created, i)))
+                .min()
+                .map(|(_, i)| i);
+            let victim = match expired {
+                Some(i) => i,
+                None => {
+                    let Some(&(_, i)) = inner.lru.first() else {
+                        return Err(Error::InvalidOption {
+                            field: "capacity_bytes",
+                            reason: "the pool has no slot".into(),
+                        });
+                    };
+                    inner.stats.evicted += 1;
+                    i
+                }
+            };
+            inner.remove(victim);
+            inner.free.retain(|&f| f != victim);
+            victim
+        };
+        let off = i * inner.slot_bytes;
+        if let Some(dst) = inner.region.as_mut_slice().get_mut(off..off + bytes.len()) {
+            dst.copy_from_slice(bytes);
+        }
+        if let Some(Some(old)) = inner.slots.get(i) {
+            inner.lru.remove(&(old.stamp, i));
+        }
+        inner.slots[i] = Some(Slot {
+            key,
+            len: bytes.len(),
+            created: now,
+            stamp: 0,
+        });
+        inner.map.insert(key, i);
+        inner.touch(i);
+        inner.stats.puts += 1;
+        Ok(())
+    }
+
+    /// Calls `f` with the snapshot under `key` if there is one that has not expired (an
+    /// expired one is dropped), and counts a use for LRU.
+    pub fn get_with<R>(&self, key: &Key, f: impl FnOnce(&[u8]) -> R) -> Option<R> {
+        let now = self.clock.now_ms();
+        let mut g = self.lock();
+        let inner = &mut *g;
+        let Some(&i) = inner.map.get(key) else {
+            inner.stats.misses += 1;
+            return None;
+        };
+        let Some(Some(s)) = inner.slots.get(i).copied() else {
+            inner.stats.misses += 1;
+            return None;
+        };
+        if self.expired(&s, now) {
+            inner.remove(i);
+            inner.stats.expired += 1;
+            inner.stats.misses += 1;
+            return None;
+        }
+        inner.touch(i);
+        inner.stats.hits += 1;
+        Some(f(inner.bytes(i, s.len)))
+    }
+
+    /// Copies the snapshot under `key` into `out` (replacing its contents); false when there
+    /// is none or it expired.
+    pub fn get(&self, key: &Key, out: &mut Vec<u8>) -> bool {
+        self.get_with(key, |b| {
+            out.clear();
+            out.extend_from_slice(b);
+        })
+        .is_some()
+    }
+
+    /// Whether an unexpired snapshot is held under `key` (not counted as a use).
+    pub fn contains(&self, key: &Key) -> bool {
+        let now = self.clock.now_ms();
+        let g = self.lock();
+        g.map
+            .get(key)
+            .and_then(|&i| g.slots.get(i).copied().flatten())
+            .is_some_and(|s| !self.expired(&s, now))
+    }
+
+    /// Drops the snapshot under `key`, if any.
+    pub fn remove(&self, key: &Key) {
+        let mut g = self.lock();
+        if let Some(&i) = g.map.get(key) {
+            g.remove(i);
+        }
+    }
+
+    /// The TTL in milliseconds.
+    pub fn ttl_ms(&self) -> u64 {
+        self.ttl_ms
+    }
+
+    /// Counters and sizes.
+    pub fn stats(&self) -> PoolStats {
+        let g = self.lock();
+        PoolStats {
+            entries: g.map.len() as u64,
+            committed_bytes: g.region.committed() as u64,
+            locked_bytes: g.region.locked_bytes() as u64,
+            ..g.stats.clone()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::ManualClock;
+    use kvstack_driver::pinned::{HugePages, Locking};
+
+    const MEM: PinnedOptions = PinnedOptions {
+        huge_pages: HugePages::Never,
+        locking: Locking::Never,
+    };
+
+    fn pool(slots: u64, ttl: u64) -> (WindowPool, Arc<ManualClock>) {
+        let clock = Arc::new(ManualClock::new(1_000_000));
+        let p = WindowPool::new(
+            PoolOptions {
+                capacity_bytes: Some(slots * 8192),
+                ttl_ms: ttl,
+                slot_bytes: 8192,
+                memory: MEM,
+            },
+            clock.clone(),
+        )
+        .unwrap();
+        (p, clock)
+    }
+
+    #[test]
+    fn ttl_boundary_is_exclusive() {
+        let (p, clock) = pool(2, 1000);
+        p.put([1; 32], &[7; 100]).unwrap();
+        clock.advance(999);
+        let mut out = Vec::new();
+        assert!(p.contains(&[1; 32]) && p.get(&[1; 32], &mut out));
+        assert_eq!(out, vec![7; 100]);
+        clock.advance(1);
+        assert!(!p.contains(&[1; 32]));
+        assert!(!p.get(&[1; 32], &mut out));
+        assert_eq!(p.stats().expired, 1);
+        assert_eq!(p.stats().entries, 0);
+    }
+
+    #[test]
+    fn lru_eviction_prefers_expired_then_least_recent() {
+        let (p, clock) = pool(2, 1000);
+        p.put([1; 32], &[1]).unwrap();
+        clock.advance(10);
+        p.put([2; 32], &[2]).unwrap();
+        // Use 1, so 2 is least recently used.
+        assert!(p.get_with(&[1; 32], |_| ()).is_some());
+        p.put([3; 32], &[3]).unwrap();
+        assert!(p.contains(&[1; 32]) && !p.contains(&[2; 32]) && p.contains(&[3; 32]));
+        assert_eq!(p.stats().evicted, 1);
+        // 1 expires first (put at t0); a new put reuses its slot rather than evicting 3.
+        clock.advance(995);
+        p.put([4; 32], &[4]).unwrap();
+        assert!(p.contains(&[3; 32]) && p.contains(&[4; 32]));
+        assert_eq!(p.stats().evicted, 1);
+        assert!(p.put([5; 32], &[0; 8193]).is_err());
+    }
+}

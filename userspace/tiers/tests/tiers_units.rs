@@ -1,0 +1,252 @@
+//! Prefix units over a real V4.1-Flash paged cache: persist, look up, restore bit-identical
+//! (global entries, indexer keys, window rows), the window snapshot and its TTL, the bounded
+//! replay plan on a global hit without a snapshot, mapping from the cache's own prefix index,
+//! and the unit schedule.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod tiers_common;
+
+use std::sync::Arc;
+
+use kvstack_cache::{AppendData, CacheOptions, KvCache, SequenceId};
+use kvstack_firmware_interface::{GlobalFp4Entry, IndexMxfp4Entry, WindowFp8Entry};
+use kvstack_spec::builtin::default_config;
+use kvstack_tiers::unit::ReplayPlan;
+use kvstack_tiers::window_pool::DEFAULT_TTL_MS;
+use kvstack_tiers::{
+    ManualClock, PoolOptions, StoreLocation, StoreOptions, Tenant, TierOptions, Tiers,
+};
+use tiers_common::{MEM, TempDir};
+use zerocopy::{FromBytes, IntoBytes};
+
+fn cache() -> KvCache {
+    KvCache::for_config(
+        &default_config().unwrap(),
+        CacheOptions {
+            context_limit: 4096,
+            max_sequences: 4,
+            memory: MEM,
+            ..CacheOptions::default()
+        },
+    )
+    .unwrap()
+}
+
+fn tiers(dir: &std::path::Path, clock: Arc<ManualClock>) -> Tiers {
+    let mut store = StoreOptions::new(StoreLocation::Directory(dir.to_path_buf()));
+    store.segment_bytes = 8 << 20;
+    store.capacity_bytes = 8 * store.segment_bytes;
+    store.memory = MEM;
+    let mut pool = PoolOptions::new(1);
+    pool.capacity_bytes = Some(64 << 20);
+    pool.memory = MEM;
+    let opts = TierOptions {
+        store,
+        pool,
+        ..TierOptions::new(StoreOptions::new(StoreLocation::Directory(
+            dir.to_path_buf(),
+        )))
+    };
+    Tiers::open(&default_config().unwrap(), 256, opts, clock).unwrap()
+}
+
+fn byte(pos: u64, layer: usize, kind: u64, i: usize, salt: u64) -> u8 {
+    (pos.wrapping_mul(31) ^ (layer as u64) << 3 ^ kind << 7 ^ i as u64 ^ salt) as u8
+}
+
+/// Appends `tokens[from..to]` to `seq` with entries that are a function of position, layer
+/// and kind, and window rows for the chunk's last tokens.
+fn grow(c: &mut KvCache, seq: SequenceId, tokens: &[u32], from: usize, to: usize, salt: u64) {
+    let g = c.geometry().clone();
+    let mut global = Vec::new();
+    let mut index = Vec::new();
+    let mut pending = Vec::new();
+    for s in &g.sources {
+        let r = s.ratio as u64;
+        let (a, b) = (from as u64 / r, to as u64 / r);
+        global.push(
+            (a..b)
+                .map(|j| {
+                    let v: Vec<u8> = (0..288).map(|i| byte(j, s.layer, 0, i, salt)).collect();
+                    GlobalFp4Entry::read_from_bytes(&v).unwrap()
+                })
+                .collect::<Vec<_>>(),
+        );
+        index.push(
+            (a..b)
+                .map(|j| {
+                    let v: Vec<u8> = (0..68).map(|i| byte(j, s.layer, 1, i, salt)).collect();
+                    IndexMxfp4Entry::read_from_bytes(&v).unwrap()
+                })
+                .collect::<Vec<_>>(),
+        );
+        let n = (to as u64 % r) as usize * g.pending_token_floats;
+        pending.push(
+            (0..n)
+                .map(|i| (i as f32) + salt as f32)
+                .collect::<Vec<f32>>(),
+        );
+    }
+    let k = (to - from).min(g.window_tokens);
+    let mut window = Vec::new();
+    for l in 0..g.num_layers {
+        for p in to - k..to {
+            let v: Vec<u8> = (0..528).map(|i| byte(p as u64, l, 2, i, salt)).collect();
+            window.push(WindowFp8Entry::read_from_bytes(&v).unwrap());
+        }
+    }
+    c.append(
+        seq,
+        &AppendData {
+            tokens: &tokens[from..to],
+            global: global.iter().map(Vec::as_slice).collect(),
+            index: index.iter().map(Vec::as_slice).collect(),
+            window: &window,
+            pending: pending.iter().map(Vec::as_slice).collect(),
+        },
+    )
+    .unwrap();
+}
+
+fn build(c: &mut KvCache, tokens: &[u32], salt: u64) -> SequenceId {
+    let seq = c.create_sequence().unwrap();
+    let mut at = 0;
+    while at < tokens.len() {
+        let to = (at + 300).min(tokens.len());
+        grow(c, seq, tokens, at, to, salt);
+        at = to;
+    }
+    seq
+}
+
+/// Every global entry and indexer key of the first `n` tokens equal; window rows too.
+fn same(a: &KvCache, sa: SequenceId, b: &KvCache, sb: SequenceId, window: bool) {
+    let n = b.len(sb).unwrap();
+    for s in &a.geometry().sources {
+        let (ga, gb) = (
+            a.global_entries(sa, s.layer).unwrap(),
+            b.global_entries(sb, s.layer).unwrap(),
+        );
+        assert_eq!(gb.len(), n / u64::from(s.ratio));
+        for j in 0..gb.len() {
+            assert_eq!(ga.get(j).unwrap().as_bytes(), gb.get(j).unwrap().as_bytes());
+        }
+        let (ia, ib) = (
+            a.index_keys(sa, s.layer).unwrap(),
+            b.index_keys(sb, s.layer).unwrap(),
+        );
+        for j in 0..ib.len() {
+            assert_eq!(ia.get(j).unwrap().as_bytes(), ib.get(j).unwrap().as_bytes());
+        }
+    }
+    if window {
+        for l in 0..a.geometry().num_layers {
+            let (wa, wb) = (a.window(sa, l).unwrap(), b.window(sb, l).unwrap());
+            assert_eq!(wb.range(), wa.range());
+            for p in wb.range() {
+                assert_eq!(wa.get(p).unwrap().as_bytes(), wb.get(p).unwrap().as_bytes());
+            }
+        }
+    }
+}
+
+#[test]
+fn persist_lookup_restore_with_window_snapshot_then_replay_after_ttl() {
+    let dir = TempDir::new("units");
+    let clock = Arc::new(ManualClock::new(1_700_000_000_000));
+    let tiers = tiers(dir.path(), clock.clone());
+    let tenant = Tenant::new("acme");
+    let tokens: Vec<u32> = (0..1000).map(|i| i * 7 + 1).collect();
+    let mut src = cache();
+    let seq = build(&mut src, &tokens, 3);
+    tiers
+        .persist(&src, seq, &tenant, 1000)
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert!(
+        tiers.persist(&src, seq, &tenant, 999).is_err(),
+        "odd ends are refused"
+    );
+
+    // A request that extends the prompt hits the whole unit, with its window.
+    let mut request = tokens.clone();
+    request.extend([5, 6, 7]);
+    let hit = tiers.lookup(&request, &tenant);
+    assert_eq!((hit.tokens, hit.window), (1000, true));
+    assert_eq!(tiers.lookup(&request, &Tenant::new("other")).tokens, 0);
+
+    let mut dst = cache();
+    let r = tiers.restore(&mut dst, &request, &hit).unwrap();
+    assert_eq!(
+        (r.tokens, r.read_tokens, r.window, r.replay),
+        (1000, 1000, true, None)
+    );
+    same(&src, seq, &dst, r.seq, true);
+    assert_eq!(dst.tokens(r.seq).unwrap(), tokens);
+
+    // After the TTL the snapshot is gone: a global hit, and the plan for bounded replay.
+    clock.advance(DEFAULT_TTL_MS);
+    let hit = tiers.lookup(&request, &tenant);
+    assert_eq!((hit.tokens, hit.window), (1000, false));
+    let r = tiers.restore(&mut dst, &request, &hit).unwrap();
+    assert!(!r.window);
+    assert_eq!(
+        r.replay,
+        Some(ReplayPlan {
+            start: 872,
+            end: 1000
+        })
+    );
+    // The cache's own prefix index held the three whole blocks: only the tail was read.
+    assert_eq!((r.mapped_tokens, r.read_tokens), (768, 232));
+    same(&src, seq, &dst, r.seq, false);
+    tiers.close().unwrap();
+    let report = kvstack_tiers::fsck::fsck(&StoreOptions {
+        memory: MEM,
+        ..StoreOptions::new(StoreLocation::Directory(dir.path().to_path_buf()))
+    })
+    .unwrap();
+    assert!(
+        report.clean() && report.units_incomplete.is_empty(),
+        "{report:?}"
+    );
+
+    // Units survive a restart.
+    let tiers2 = self::tiers(dir.path(), clock.clone());
+    let hit = tiers2.lookup(&request, &tenant);
+    assert_eq!(hit.tokens, 1000);
+    let mut fresh = cache();
+    let r = tiers2.restore(&mut fresh, &request, &hit).unwrap();
+    same(&src, seq, &fresh, r.seq, false);
+}
+
+#[test]
+fn interval_units_share_blocks_with_the_final_one() {
+    let dir = TempDir::new("units-interval");
+    let clock = Arc::new(ManualClock::new(1_700_000_000_000));
+    let tiers = tiers(dir.path(), clock);
+    assert_eq!(tiers.unit_points(0, 10_000, true), [4096, 8192, 10_000]);
+    assert_eq!(tiers.unit_points(4000, 4100, false), [4096]);
+    assert_eq!(tiers.unit_points(0, 1001, true), [1000]);
+    assert_eq!(tiers.unit_points(0, 4096, true), [4096]);
+    let tenant = Tenant::new("t");
+    let tokens: Vec<u32> = (0..2600).map(|i| i ^ 0x55).collect();
+    let mut src = cache();
+    let seq = build(&mut src, &tokens, 9);
+    // A long input persisted at 1024 and at its end: the second unit writes only new blocks.
+    let a = tiers.persist(&src, seq, &tenant, 1024).unwrap();
+    assert_eq!(a.new_blocks, 4);
+    a.wait().unwrap();
+    let b = tiers.persist(&src, seq, &tenant, 2600).unwrap();
+    assert_eq!((b.shared_blocks, b.new_blocks), (4, 7));
+    b.wait().unwrap();
+    assert_eq!(tiers.lookup(&tokens[..2000], &tenant).tokens, 1792);
+    assert_eq!(tiers.lookup(&tokens, &tenant).tokens, 2600);
+    let mut dst = cache();
+    let hit = tiers.lookup(&tokens, &tenant);
+    let r = tiers.restore(&mut dst, &tokens, &hit).unwrap();
+    assert!(r.window);
+    same(&src, seq, &dst, r.seq, true);
+}
