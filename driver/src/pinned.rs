@@ -23,6 +23,7 @@ use std::ptr::NonNull;
 use std::sync::Once;
 
 use crate::Error;
+use crate::os::{self, Os, round_up};
 
 /// Whether to try huge pages.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -67,93 +68,6 @@ pub struct PinnedOptions {
     pub locking: Locking,
 }
 
-/// The operating-system calls a region needs, so the policy above them is unit-tested with a
-/// fake that fails on demand (as a kernel without huge pages or with a low memlock limit would).
-pub(crate) trait Os {
-    fn page_size(&self) -> usize;
-    fn huge_page_size(&self) -> Option<usize>;
-    fn map(&self, len: usize, huge_tlb: bool) -> io::Result<NonNull<u8>>;
-    fn advise_huge(&self, ptr: NonNull<u8>, len: usize) -> io::Result<()>;
-    fn lock(&self, ptr: NonNull<u8>, len: usize) -> io::Result<()>;
-    fn unmap(&self, ptr: NonNull<u8>, len: usize);
-}
-
-/// The real system calls.
-pub(crate) struct LinuxOs;
-
-impl Os for LinuxOs {
-    fn page_size(&self) -> usize {
-        // SAFETY: sysconf reads a constant of the running kernel; no memory is passed.
-        let v = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-        usize::try_from(v).ok().filter(|&p| p > 0).unwrap_or(4096)
-    }
-
-    fn huge_page_size(&self) -> Option<usize> {
-        let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-        let m = crate::probe::parse_meminfo(&text);
-        (m.huge_page_bytes > 0)
-            .then(|| usize::try_from(m.huge_page_bytes).ok())
-            .flatten()
-    }
-
-    fn map(&self, len: usize, huge_tlb: bool) -> io::Result<NonNull<u8>> {
-        let mut flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS;
-        if huge_tlb {
-            flags |= libc::MAP_HUGETLB;
-        }
-        // SAFETY: an anonymous private mapping at an address the kernel chooses; it aliases no
-        // existing Rust object. The result is checked for MAP_FAILED before use.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                flags,
-                -1,
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        NonNull::new(p.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned null"))
-    }
-
-    fn advise_huge(&self, ptr: NonNull<u8>, len: usize) -> io::Result<()> {
-        // SAFETY: the range is exactly a mapping this process owns; madvise only changes the
-        // kernel's paging policy for it.
-        let rc = unsafe { libc::madvise(ptr.as_ptr().cast(), len, libc::MADV_HUGEPAGE) };
-        if rc == 0 {
-            Ok(())
-        } else {
-            Err(io::Error::last_os_error())
-        }
-    }
-
-    fn lock(&self, ptr: NonNull<u8>, len: usize) -> io::Result<()> {
-        // SAFETY: the range is exactly a mapping this process owns; mlock faults the pages in
-        // and pins them, which does not change their contents.
-        let rc = unsafe { libc::mlock(ptr.as_ptr().cast(), len) };
-        if rc == 0 {
-            Ok(())
-        } else {
-            Err(io::Error::last_os_error())
-        }
-    }
-
-    fn unmap(&self, ptr: NonNull<u8>, len: usize) {
-        // SAFETY: `ptr..ptr+len` is exactly one mapping created by `map` with this length, and
-        // the owner is being dropped, so nothing refers to it any more. munmap also unlocks.
-        let rc = unsafe { libc::munmap(ptr.as_ptr().cast(), len) };
-        if rc != 0 {
-            log::error!(
-                "munmap of {len} bytes failed: {}",
-                io::Error::last_os_error()
-            );
-        }
-    }
-}
-
 static LOCK_WARNING: Once = Once::new();
 
 /// Logs, once per process, that a cache pool could not be locked, why, and how to raise the
@@ -180,10 +94,6 @@ struct Mapping {
     requested: usize,
     backing: Backing,
     locked: bool,
-}
-
-fn round_up(len: usize, to: usize) -> Option<usize> {
-    len.checked_add(to - 1).map(|v| v / to * to)
 }
 
 fn map_region(os: &dyn Os, requested: usize, opts: PinnedOptions) -> Result<Mapping, Error> {
@@ -262,8 +172,7 @@ unsafe impl Sync for PinnedRegion {}
 impl PinnedRegion {
     /// Maps at least `bytes` bytes (rounded up to the page or huge page size).
     pub fn new(bytes: usize, opts: PinnedOptions) -> Result<PinnedRegion, Error> {
-        static OS: LinuxOs = LinuxOs;
-        Self::new_with(&OS, bytes, opts)
+        Self::new_with(&os::LINUX, bytes, opts)
     }
 
     pub(crate) fn new_with(
@@ -442,53 +351,16 @@ impl VolatileView<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::Mutex;
-
-    /// A fake kernel: maps with the real mmap (so memory is real) but fails huge pages and
-    /// mlock on demand, and records unmaps.
-    struct FakeOs {
-        huge: Option<usize>,
-        huge_tlb_fails: bool,
-        lock_fails: bool,
-        unmapped: Mutex<Vec<usize>>,
-    }
-
-    impl Os for FakeOs {
-        fn page_size(&self) -> usize {
-            LinuxOs.page_size()
-        }
-        fn huge_page_size(&self) -> Option<usize> {
-            self.huge
-        }
-        fn map(&self, len: usize, huge_tlb: bool) -> io::Result<NonNull<u8>> {
-            if huge_tlb && self.huge_tlb_fails {
-                return Err(io::Error::from_raw_os_error(libc::ENOMEM));
-            }
-            LinuxOs.map(len, false)
-        }
-        fn advise_huge(&self, ptr: NonNull<u8>, len: usize) -> io::Result<()> {
-            LinuxOs.advise_huge(ptr, len)
-        }
-        fn lock(&self, _: NonNull<u8>, _: usize) -> io::Result<()> {
-            if self.lock_fails {
-                Err(io::Error::from_raw_os_error(libc::ENOMEM))
-            } else {
-                Ok(())
-            }
-        }
-        fn unmap(&self, ptr: NonNull<u8>, len: usize) {
-            self.unmapped.lock().unwrap().push(len);
-            LinuxOs.unmap(ptr, len);
-        }
-    }
+    use crate::os::FakeOs;
 
     fn fake(huge_tlb_fails: bool, lock_fails: bool) -> &'static FakeOs {
-        Box::leak(Box::new(FakeOs {
+        FakeOs {
             huge: Some(2 << 20),
             huge_tlb_fails,
             lock_fails,
-            unmapped: Mutex::new(Vec::new()),
-        }))
+            ..Default::default()
+        }
+        .leak()
     }
 
     #[test]
@@ -517,7 +389,7 @@ mod tests {
         // HUGETLB failed, so the region uses normal pages with the THP hint.
         assert_ne!(r.backing(), Backing::HugeTlb);
         drop(r);
-        assert_eq!(os.unmapped.lock().unwrap().as_slice(), &[4 << 20]);
+        assert_eq!(os.unmapped(), [4 << 20]);
 
         let err = PinnedRegion::new_with(
             os,
@@ -530,7 +402,7 @@ mod tests {
         .unwrap_err();
         assert!(matches!(err, Error::Lock { .. }), "{err}");
         // The failed region was unmapped, not leaked.
-        assert_eq!(os.unmapped.lock().unwrap().len(), 2);
+        assert_eq!(os.unmapped().len(), 2);
     }
 
     #[test]
