@@ -6,8 +6,14 @@
 //! the policies above it ([`crate::pinned`], [`crate::reserve`]) are unit-tested without special
 //! hardware or privileges.
 
+use std::ffi::c_int;
 use std::io;
+use std::num::NonZeroUsize;
 use std::ptr::NonNull;
+
+use nix::errno::Errno;
+use nix::sys::mman::{self, MapFlags, MmapAdvise, ProtFlags};
+use nix::unistd::{SysconfVar, sysconf};
 
 /// The system calls a region needs. Every range passed in lies inside one mapping that the
 /// caller created with [`Os::map`] or [`Os::reserve`] and still owns.
@@ -40,15 +46,13 @@ pub(crate) trait Os: Send + Sync {
     fn unmap(&self, ptr: NonNull<u8>, len: usize);
 }
 
-/// `MADV_COLLAPSE` (Linux 6.1, `include/uapi/asm-generic/mman-common.h`); not in `libc` yet.
-const MADV_COLLAPSE: libc::c_int = 25;
+/// `MADV_COLLAPSE` (Linux 6.1, `include/uapi/asm-generic/mman-common.h`): nix's `MmapAdvise`
+/// lacks it, and `libc` defines it for glibc targets only.
+const MADV_COLLAPSE: c_int = 25;
 
-fn rc_to_result(rc: libc::c_int) -> io::Result<()> {
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
+/// `len` as the non-zero length mmap needs; a zero length is refused as the kernel would.
+fn map_len(len: usize) -> io::Result<NonZeroUsize> {
+    NonZeroUsize::new(len).ok_or_else(|| Errno::EINVAL.into())
 }
 
 /// The real system calls.
@@ -59,9 +63,12 @@ pub(crate) static LINUX: LinuxOs = LinuxOs;
 
 impl Os for LinuxOs {
     fn page_size(&self) -> usize {
-        // SAFETY: sysconf reads a constant of the running kernel; no memory is passed.
-        let v = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-        usize::try_from(v).ok().filter(|&p| p > 0).unwrap_or(4096)
+        sysconf(SysconfVar::PAGE_SIZE)
+            .ok()
+            .flatten()
+            .and_then(|v| usize::try_from(v).ok())
+            .filter(|&p| p > 0)
+            .unwrap_or(4096)
     }
 
     fn huge_page_size(&self) -> Option<usize> {
@@ -73,57 +80,49 @@ impl Os for LinuxOs {
     }
 
     fn map(&self, len: usize, huge_tlb: bool) -> io::Result<NonNull<u8>> {
-        let mut flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS;
+        let mut flags = MapFlags::MAP_PRIVATE;
         if huge_tlb {
-            flags |= libc::MAP_HUGETLB;
+            flags |= MapFlags::MAP_HUGETLB;
         }
         // SAFETY: an anonymous private mapping at an address the kernel chooses; it aliases no
-        // existing Rust object. The result is checked for MAP_FAILED before use.
+        // existing Rust object.
         let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
+            mman::mmap_anonymous(
+                None,
+                map_len(len)?,
+                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
                 flags,
-                -1,
-                0,
             )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        NonNull::new(p.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned null"))
+        }?;
+        Ok(p.cast())
     }
 
     fn reserve(&self, len: usize) -> io::Result<NonNull<u8>> {
-        let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
+        let flags = MapFlags::MAP_PRIVATE | MapFlags::MAP_NORESERVE;
         // SAFETY: an anonymous, inaccessible mapping at an address the kernel chooses; it
-        // aliases no Rust object. The result is checked for MAP_FAILED before use.
-        let p = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_NONE, flags, -1, 0) };
-        if p == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        NonNull::new(p.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned null"))
+        // aliases no Rust object.
+        let p = unsafe { mman::mmap_anonymous(None, map_len(len)?, ProtFlags::PROT_NONE, flags) }?;
+        Ok(p.cast())
     }
 
     fn protect(&self, ptr: NonNull<u8>, len: usize, writable: bool) -> io::Result<()> {
         let prot = if writable {
-            libc::PROT_READ | libc::PROT_WRITE
+            ProtFlags::PROT_READ | ProtFlags::PROT_WRITE
         } else {
-            libc::PROT_NONE
+            ProtFlags::PROT_NONE
         };
         // SAFETY: the range lies inside a reservation this process owns (checked by the
         // caller); no Rust reference to bytes that become inaccessible is alive (the region
         // only lends references to its committed prefix through &self / &mut self).
-        rc_to_result(unsafe { libc::mprotect(ptr.as_ptr().cast(), len, prot) })
+        Ok(unsafe { mman::mprotect(ptr.cast(), len, prot) }?)
     }
 
     fn populate(&self, ptr: NonNull<u8>, len: usize) -> io::Result<()> {
         // SAFETY: the range is writable memory of our own mapping; MADV_POPULATE_WRITE only
         // faults pages in (fresh anonymous pages are zero), it does not change contents.
-        let rc = unsafe { libc::madvise(ptr.as_ptr().cast(), len, libc::MADV_POPULATE_WRITE) };
-        match rc_to_result(rc) {
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+        match unsafe { mman::madvise(ptr.cast(), len, MmapAdvise::MADV_POPULATE_WRITE) } {
+            Ok(()) => Ok(()),
+            Err(Errno::EINVAL) => {
                 // Kernels before 5.14: fault each page in by writing a zero to it (the page is
                 // fresh, so it already reads as zero and the write changes nothing).
                 let page = self.page_size();
@@ -134,48 +133,46 @@ impl Os for LinuxOs {
                 }
                 Ok(())
             }
-            other => other,
+            Err(e) => Err(e.into()),
         }
     }
 
     fn lock(&self, ptr: NonNull<u8>, len: usize) -> io::Result<()> {
         // SAFETY: the range is mapped memory of our own; mlock faults it in and pins it without
         // changing its contents.
-        rc_to_result(unsafe { libc::mlock(ptr.as_ptr().cast(), len) })
+        Ok(unsafe { mman::mlock(ptr.cast(), len) }?)
     }
 
     fn unlock(&self, ptr: NonNull<u8>, len: usize) -> io::Result<()> {
         // SAFETY: as in lock; munlock only unpins.
-        rc_to_result(unsafe { libc::munlock(ptr.as_ptr().cast(), len) })
+        Ok(unsafe { mman::munlock(ptr.cast(), len) }?)
     }
 
     fn discard(&self, ptr: NonNull<u8>, len: usize) -> io::Result<()> {
         // SAFETY: the range is part of our private anonymous mapping and no Rust reference to it
         // is alive (the caller holds &mut self); MADV_DONTNEED frees the pages, which read as
         // zero when faulted in again.
-        rc_to_result(unsafe { libc::madvise(ptr.as_ptr().cast(), len, libc::MADV_DONTNEED) })
+        Ok(unsafe { mman::madvise(ptr.cast(), len, MmapAdvise::MADV_DONTNEED) }?)
     }
 
     fn advise_huge(&self, ptr: NonNull<u8>, len: usize) -> io::Result<()> {
         // SAFETY: the range is our own mapping; MADV_HUGEPAGE only changes paging policy.
-        rc_to_result(unsafe { libc::madvise(ptr.as_ptr().cast(), len, libc::MADV_HUGEPAGE) })
+        Ok(unsafe { mman::madvise(ptr.cast(), len, MmapAdvise::MADV_HUGEPAGE) }?)
     }
 
     fn collapse(&self, ptr: NonNull<u8>, len: usize) -> io::Result<()> {
+        // Raw libc: nix has no MADV_COLLAPSE (see the constant).
         // SAFETY: the range is committed memory of our own mapping; MADV_COLLAPSE copies its
         // pages into a huge page in place, preserving contents.
-        rc_to_result(unsafe { libc::madvise(ptr.as_ptr().cast(), len, MADV_COLLAPSE) })
+        let rc = unsafe { libc::madvise(ptr.as_ptr().cast(), len, MADV_COLLAPSE) };
+        Ok(Errno::result(rc).map(drop)?)
     }
 
     fn unmap(&self, ptr: NonNull<u8>, len: usize) {
         // SAFETY: `ptr..ptr+len` is exactly one mapping created by `map` or `reserve` with this
         // length, and its owner is being dropped, so nothing refers to it any more.
-        let rc = unsafe { libc::munmap(ptr.as_ptr().cast(), len) };
-        if rc != 0 {
-            log::error!(
-                "munmap of {len} bytes failed: {}",
-                io::Error::last_os_error()
-            );
+        if let Err(e) = unsafe { mman::munmap(ptr.cast(), len) } {
+            log::error!("munmap of {len} bytes failed: {}", io::Error::from(e));
         }
     }
 }
@@ -241,7 +238,7 @@ mod fake {
     }
 
     fn enomem() -> io::Error {
-        io::Error::from_raw_os_error(libc::ENOMEM)
+        nix::errno::Errno::ENOMEM.into()
     }
 
     impl Os for FakeOs {

@@ -33,6 +33,8 @@
 
 use std::ptr::NonNull;
 
+use nix::errno::Errno;
+
 use crate::Error;
 use crate::os::{self, Os, round_up};
 use crate::pinned::{HugePages, Locking, PinnedOptions};
@@ -234,7 +236,7 @@ impl GrowableRegion {
             let ptr = unsafe { NonNull::new_unchecked(self.base.as_ptr().add(self.huge_checked)) };
             match self.os.collapse(ptr, h) {
                 Ok(()) => self.huge_bytes += h,
-                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                Err(e) if e.raw_os_error() == Some(Errno::EINVAL as i32) => {
                     log::debug!("MADV_COLLAPSE unsupported ({e}); huge pages only on fault");
                     self.huge = None;
                     return;
