@@ -198,19 +198,27 @@ pub fn probe_io_uring() -> Capability {
     }
 }
 
+bitflags::bitflags! {
+    /// The `IORING_FEAT_*` bits (`include/uapi/linux/io_uring.h`) the stack cares about.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    struct RingFeatures: u32 {
+        /// `IORING_FEAT_NODROP`: completions are never dropped when the queue overflows.
+        const NODROP = 1 << 1;
+        /// `IORING_FEAT_SUBMIT_STABLE`: submitted data may be reused once submit returns.
+        const SUBMIT_STABLE = 1 << 2;
+        /// `IORING_FEAT_FAST_POLL`: internal polling instead of worker threads where possible.
+        const FAST_POLL = 1 << 5;
+    }
+}
+
+/// The feature bits of `p` that [`RingFeatures`] names; the io-uring crate reports each with its
+/// own accessor.
 fn features_bits(p: &io_uring::Parameters) -> u32 {
-    // Each accessor reports one IORING_FEAT_* bit; collect the ones the stack cares about.
-    let mut bits = 0u32;
-    if p.is_feature_nodrop() {
-        bits |= 1 << 1;
-    }
-    if p.is_feature_submit_stable() {
-        bits |= 1 << 2;
-    }
-    if p.is_feature_fast_poll() {
-        bits |= 1 << 5;
-    }
-    bits
+    let mut f = RingFeatures::empty();
+    f.set(RingFeatures::NODROP, p.is_feature_nodrop());
+    f.set(RingFeatures::SUBMIT_STABLE, p.is_feature_submit_stable());
+    f.set(RingFeatures::FAST_POLL, p.is_feature_fast_poll());
+    f.bits()
 }
 
 /// Probes whether files in `dir` accept `O_DIRECT` reads and writes of one aligned 4 KiB block.
