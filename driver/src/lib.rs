@@ -11,6 +11,7 @@
 //! failing.
 
 pub mod blockio;
+mod os;
 pub mod pinned;
 pub mod probe;
 pub mod reserve;

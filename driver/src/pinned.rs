@@ -23,6 +23,7 @@ use std::ptr::NonNull;
 use std::sync::Once;
 
 use crate::Error;
+use crate::os::{self, Os, round_up};
 
 /// Whether to try huge pages.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -67,93 +68,6 @@ pub struct PinnedOptions {
     pub locking: Locking,
 }
 
-/// The operating-system calls a region needs, so the policy above them is unit-tested with a
-/// fake that fails on demand (as a kernel without huge pages or with a low memlock limit would).
-pub(crate) trait Os {
-    fn page_size(&self) -> usize;
-    fn huge_page_size(&self) -> Option<usize>;
-    fn map(&self, len: usize, huge_tlb: bool) -> io::Result<NonNull<u8>>;
-    fn advise_huge(&self, ptr: NonNull<u8>, len: usize) -> io::Result<()>;
-    fn lock(&self, ptr: NonNull<u8>, len: usize) -> io::Result<()>;
-    fn unmap(&self, ptr: NonNull<u8>, len: usize);
-}
-
-/// The real system calls.
-pub(crate) struct LinuxOs;
-
-impl Os for LinuxOs {
-    fn page_size(&self) -> usize {
-        // SAFETY: sysconf reads a constant of the running kernel; no memory is passed.
-        let v = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-        usize::try_from(v).ok().filter(|&p| p > 0).unwrap_or(4096)
-    }
-
-    fn huge_page_size(&self) -> Option<usize> {
-        let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-        let m = crate::probe::parse_meminfo(&text);
-        (m.huge_page_bytes > 0)
-            .then(|| usize::try_from(m.huge_page_bytes).ok())
-            .flatten()
-    }
-
-    fn map(&self, len: usize, huge_tlb: bool) -> io::Result<NonNull<u8>> {
-        let mut flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS;
-        if huge_tlb {
-            flags |= libc::MAP_HUGETLB;
-        }
-        // SAFETY: an anonymous private mapping at an address the kernel chooses; it aliases no
-        // existing Rust object. The result is checked for MAP_FAILED before use.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                flags,
-                -1,
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        NonNull::new(p.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned null"))
-    }
-
-    fn advise_huge(&self, ptr: NonNull<u8>, len: usize) -> io::Result<()> {
-        // SAFETY: the range is exactly a mapping this process owns; madvise only changes the
-        // kernel's paging policy for it.
-        let rc = unsafe { libc::madvise(ptr.as_ptr().cast(), len, libc::MADV_HUGEPAGE) };
-        if rc == 0 {
-            Ok(())
-        } else {
-            Err(io::Error::last_os_error())
-        }
-    }
-
-    fn lock(&self, ptr: NonNull<u8>, len: usize) -> io::Result<()> {
-        // SAFETY: the range is exactly a mapping this process owns; mlock faults the pages in
-        // and pins them, which does not change their contents.
-        let rc = unsafe { libc::mlock(ptr.as_ptr().cast(), len) };
-        if rc == 0 {
-            Ok(())
-        } else {
-            Err(io::Error::last_os_error())
-        }
-    }
-
-    fn unmap(&self, ptr: NonNull<u8>, len: usize) {
-        // SAFETY: `ptr..ptr+len` is exactly one mapping created by `map` with this length, and
-        // the owner is being dropped, so nothing refers to it any more. munmap also unlocks.
-        let rc = unsafe { libc::munmap(ptr.as_ptr().cast(), len) };
-        if rc != 0 {
-            log::error!(
-                "munmap of {len} bytes failed: {}",
-                io::Error::last_os_error()
-            );
-        }
-    }
-}
-
 static LOCK_WARNING: Once = Once::new();
 
 /// Logs, once per process, that a cache pool could not be locked, why, and how to raise the
@@ -180,10 +94,6 @@ struct Mapping {
     requested: usize,
     backing: Backing,
     locked: bool,
-}
-
-fn round_up(len: usize, to: usize) -> Option<usize> {
-    len.checked_add(to - 1).map(|v| v / to * to)
 }
 
 fn map_region(os: &dyn Os, requested: usize, opts: PinnedOptions) -> Result<Mapping, Error> {
@@ -262,8 +172,7 @@ unsafe impl Sync for PinnedRegion {}
 impl PinnedRegion {
     /// Maps at least `bytes` bytes (rounded up to the page or huge page size).
     pub fn new(bytes: usize, opts: PinnedOptions) -> Result<PinnedRegion, Error> {
-        static OS: LinuxOs = LinuxOs;
-        Self::new_with(&OS, bytes, opts)
+        Self::new_with(&os::LINUX, bytes, opts)
     }
 
     pub(crate) fn new_with(
@@ -386,7 +295,8 @@ impl DeviceSharedRegion {
 }
 
 /// A bounds-checked window onto memory a device may change concurrently. Reads and writes are
-/// volatile copies; no Rust reference to the bytes ever exists.
+/// volatile copies (aligned machine words, single bytes at unaligned ends); no Rust reference
+/// to the bytes ever exists.
 #[derive(Clone, Copy, Debug)]
 pub struct VolatileView<'a> {
     ptr: NonNull<u8>,
@@ -419,76 +329,107 @@ impl VolatileView<'_> {
     /// Copies `dst.len()` bytes starting at `offset` out of the region.
     pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), Error> {
         self.check(offset, dst.len())?;
-        for (i, d) in dst.iter_mut().enumerate() {
-            // SAFETY: offset + i < len (checked above) lies inside the live mapping, which
-            // outlives 'a; a volatile read of a u8 has no alignment requirement.
-            *d = unsafe { self.ptr.as_ptr().add(offset + i).read_volatile() };
-        }
+        // SAFETY: offset + dst.len() <= len (checked above), so the range lies inside the live
+        // mapping, which outlives 'a, and no Rust reference to it exists (module docs).
+        unsafe { copy_from_volatile(self.ptr.as_ptr().add(offset), dst) };
         Ok(())
     }
 
     /// Copies `src` into the region starting at `offset`.
     pub fn write(&self, offset: usize, src: &[u8]) -> Result<(), Error> {
         self.check(offset, src.len())?;
-        for (i, s) in src.iter().enumerate() {
-            // SAFETY: as in read; the mapping is writable (PROT_WRITE) and no Rust reference to
-            // it exists, so a volatile store cannot invalidate one.
-            unsafe { self.ptr.as_ptr().add(offset + i).write_volatile(*s) };
-        }
+        // SAFETY: as in read; the mapping is writable (PROT_WRITE), and since no Rust reference
+        // to it exists a volatile store cannot invalidate one.
+        unsafe { copy_to_volatile(src, self.ptr.as_ptr().add(offset)) };
         Ok(())
+    }
+}
+
+/// The unit of a volatile copy: the widest integer the CPU loads or stores in one access.
+type Word = usize;
+
+/// Bytes in a [`Word`].
+const WORD: usize = size_of::<Word>();
+
+/// Bytes from address `addr` up to the next [`Word`] boundary, at most `len`: the part of a
+/// copy done byte by byte before aligned words can start.
+fn head_len(addr: usize, len: usize) -> usize {
+    (addr.wrapping_neg() % WORD).min(len)
+}
+
+/// Copies `dst.len()` bytes out of device-visible memory at `src`: single bytes up to the first
+/// word boundary of `src`, aligned word loads, then the remaining bytes. Words take a
+/// [`WORD`]th of the accesses of a byte loop; every access is volatile and inside the range. A
+/// device may change the bytes meanwhile, so the result is not a snapshot (nor was it byte by
+/// byte).
+///
+/// # Safety
+/// `src..src + dst.len()` must be readable memory that no Rust reference covers.
+unsafe fn copy_from_volatile(src: *const u8, dst: &mut [u8]) {
+    let (head, rest) = dst.split_at_mut(head_len(src.addr(), dst.len()));
+    let body_at = head.len();
+    let (body, tail) = rest.as_chunks_mut::<WORD>();
+    let tail_at = body_at + body.len() * WORD;
+    for (i, d) in head.iter_mut().enumerate() {
+        // SAFETY: i < head.len() <= dst.len(), inside the caller's range; a u8 needs no
+        // alignment.
+        *d = unsafe { src.add(i).read_volatile() };
+    }
+    for (i, d) in body.iter_mut().enumerate() {
+        // SAFETY: body_at + (i + 1) * WORD <= tail_at <= dst.len(), inside the caller's range;
+        // src + body_at is on a word boundary (head_len), so every word is aligned.
+        let w = unsafe { src.add(body_at + i * WORD).cast::<Word>().read_volatile() };
+        *d = w.to_ne_bytes();
+    }
+    for (i, d) in tail.iter_mut().enumerate() {
+        // SAFETY: tail_at + i < dst.len(), inside the caller's range; a u8 needs no alignment.
+        *d = unsafe { src.add(tail_at + i).read_volatile() };
+    }
+}
+
+/// Copies `src` into device-visible memory at `dst`, split as in [`copy_from_volatile`]: bytes
+/// up to the first word boundary of `dst`, aligned volatile word stores, then bytes.
+///
+/// # Safety
+/// `dst..dst + src.len()` must be writable memory that no Rust reference covers.
+unsafe fn copy_to_volatile(src: &[u8], dst: *mut u8) {
+    let (head, rest) = src.split_at(head_len(dst.addr(), src.len()));
+    let body_at = head.len();
+    let (body, tail) = rest.as_chunks::<WORD>();
+    let tail_at = body_at + body.len() * WORD;
+    for (i, &b) in head.iter().enumerate() {
+        // SAFETY: i < head.len() <= src.len(), inside the caller's range; a u8 needs no
+        // alignment.
+        unsafe { dst.add(i).write_volatile(b) };
+    }
+    for (i, &w) in body.iter().enumerate() {
+        // SAFETY: body_at + (i + 1) * WORD <= tail_at <= src.len(), inside the caller's range;
+        // dst + body_at is on a word boundary (head_len), so every word is aligned.
+        unsafe {
+            dst.add(body_at + i * WORD)
+                .cast::<Word>()
+                .write_volatile(Word::from_ne_bytes(w));
+        };
+    }
+    for (i, &b) in tail.iter().enumerate() {
+        // SAFETY: tail_at + i < src.len(), inside the caller's range; a u8 needs no alignment.
+        unsafe { dst.add(tail_at + i).write_volatile(b) };
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::Mutex;
-
-    /// A fake kernel: maps with the real mmap (so memory is real) but fails huge pages and
-    /// mlock on demand, and records unmaps.
-    struct FakeOs {
-        huge: Option<usize>,
-        huge_tlb_fails: bool,
-        lock_fails: bool,
-        unmapped: Mutex<Vec<usize>>,
-    }
-
-    impl Os for FakeOs {
-        fn page_size(&self) -> usize {
-            LinuxOs.page_size()
-        }
-        fn huge_page_size(&self) -> Option<usize> {
-            self.huge
-        }
-        fn map(&self, len: usize, huge_tlb: bool) -> io::Result<NonNull<u8>> {
-            if huge_tlb && self.huge_tlb_fails {
-                return Err(io::Error::from_raw_os_error(libc::ENOMEM));
-            }
-            LinuxOs.map(len, false)
-        }
-        fn advise_huge(&self, ptr: NonNull<u8>, len: usize) -> io::Result<()> {
-            LinuxOs.advise_huge(ptr, len)
-        }
-        fn lock(&self, _: NonNull<u8>, _: usize) -> io::Result<()> {
-            if self.lock_fails {
-                Err(io::Error::from_raw_os_error(libc::ENOMEM))
-            } else {
-                Ok(())
-            }
-        }
-        fn unmap(&self, ptr: NonNull<u8>, len: usize) {
-            self.unmapped.lock().unwrap().push(len);
-            LinuxOs.unmap(ptr, len);
-        }
-    }
+    use crate::os::FakeOs;
 
     fn fake(huge_tlb_fails: bool, lock_fails: bool) -> &'static FakeOs {
-        Box::leak(Box::new(FakeOs {
+        FakeOs {
             huge: Some(2 << 20),
             huge_tlb_fails,
             lock_fails,
-            unmapped: Mutex::new(Vec::new()),
-        }))
+            ..Default::default()
+        }
+        .leak()
     }
 
     #[test]
@@ -517,7 +458,7 @@ mod tests {
         // HUGETLB failed, so the region uses normal pages with the THP hint.
         assert_ne!(r.backing(), Backing::HugeTlb);
         drop(r);
-        assert_eq!(os.unmapped.lock().unwrap().as_slice(), &[4 << 20]);
+        assert_eq!(os.unmapped(), [4 << 20]);
 
         let err = PinnedRegion::new_with(
             os,
@@ -530,7 +471,7 @@ mod tests {
         .unwrap_err();
         assert!(matches!(err, Error::Lock { .. }), "{err}");
         // The failed region was unmapped, not leaked.
-        assert_eq!(os.unmapped.lock().unwrap().len(), 2);
+        assert_eq!(os.unmapped().len(), 2);
     }
 
     #[test]
@@ -566,5 +507,39 @@ mod tests {
         // SAFETY: no device ever saw this region.
         let back = unsafe { r.into_cpu_private() };
         assert_eq!(&back.as_slice()[4090..], &[1, 2, 3, 4, 5, 6]);
+    }
+
+    #[test]
+    fn volatile_copies_match_a_byte_model_at_odd_offsets_and_lengths() {
+        let r = PinnedRegion::new(4096, PinnedOptions::default())
+            .unwrap()
+            .into_device_shared();
+        let v = r.volatile();
+        let (base, len) = r.raw_parts();
+        // What the region must hold, and a byte-by-byte volatile reader to check it with.
+        let mut model: Vec<u8> = (0..len).map(|i| (i * 7 + 3) as u8).collect();
+        let bytes = || -> Vec<u8> {
+            (0..len)
+                // SAFETY: i < len lies in the live mapping; no reference to it exists.
+                .map(|i| unsafe { base.as_ptr().add(i).read_volatile() })
+                .collect()
+        };
+        v.write(0, &model).unwrap();
+        assert_eq!(bytes(), model);
+        let lens = [0, 1, 2, 3, 5, 7, 8, 9, 15, 16, 17, 31, 33, 64, 100, 1001];
+        let mut fill = 0u8;
+        for offset in (0..=2 * WORD + 1).chain([len - 1001, len - 17, len - 9, len - 1]) {
+            for &n in lens.iter().filter(|&&n| offset + n <= len) {
+                let mut out = vec![0xEE; n];
+                v.read(offset, &mut out).unwrap();
+                assert_eq!(out, model[offset..offset + n], "read {n} at {offset}");
+                fill = fill.wrapping_add(37);
+                let src: Vec<u8> = (0..n).map(|i| fill ^ i as u8).collect();
+                v.write(offset, &src).unwrap();
+                model[offset..offset + n].copy_from_slice(&src);
+                // Nothing outside the written range changed.
+                assert_eq!(bytes(), model, "write {n} at {offset}");
+            }
+        }
     }
 }

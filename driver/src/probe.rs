@@ -8,6 +8,9 @@ use std::io;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
+use nix::errno::Errno;
+use nix::fcntl::OFlag;
+use nix::sys::resource::{RLIM_INFINITY, Resource, getrlimit, rlim_t};
 use serde::Serialize;
 
 /// Memory facts from `/proc/meminfo`, in bytes.
@@ -139,26 +142,11 @@ pub struct MemlockLimit {
 
 /// Reads the locked-memory limit with `getrlimit`.
 pub fn memlock_limit() -> io::Result<MemlockLimit> {
-    let mut lim = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: `getrlimit` writes one `rlimit` through a valid, exclusively borrowed pointer and
-    // keeps no reference to it.
-    let rc = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut lim) };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let conv = |v: libc::rlim_t| {
-        if v == libc::RLIM_INFINITY {
-            None
-        } else {
-            Some(v)
-        }
-    };
+    let (soft, hard) = getrlimit(Resource::RLIMIT_MEMLOCK)?;
+    let conv = |v: rlim_t| (v != RLIM_INFINITY).then_some(v);
     Ok(MemlockLimit {
-        soft_bytes: conv(lim.rlim_cur),
-        hard_bytes: conv(lim.rlim_max),
+        soft_bytes: conv(soft),
+        hard_bytes: conv(hard),
     })
 }
 
@@ -200,9 +188,9 @@ pub fn probe_io_uring() -> Capability {
                 features_bits(p)
             ))
         }
-        Err(e) => Capability::no(match e.raw_os_error() {
-            Some(libc::ENOSYS) => format!("kernel has no io_uring ({e})"),
-            Some(libc::EPERM) => {
+        Err(e) => Capability::no(match e.raw_os_error().map(Errno::from_raw) {
+            Some(Errno::ENOSYS) => format!("kernel has no io_uring ({e})"),
+            Some(Errno::EPERM) => {
                 format!("io_uring refused ({e}): check sysctl kernel.io_uring_disabled or seccomp")
             }
             _ => format!("io_uring_setup failed: {e}"),
@@ -210,19 +198,27 @@ pub fn probe_io_uring() -> Capability {
     }
 }
 
+bitflags::bitflags! {
+    /// The `IORING_FEAT_*` bits (`include/uapi/linux/io_uring.h`) the stack cares about.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    struct RingFeatures: u32 {
+        /// `IORING_FEAT_NODROP`: completions are never dropped when the queue overflows.
+        const NODROP = 1 << 1;
+        /// `IORING_FEAT_SUBMIT_STABLE`: submitted data may be reused once submit returns.
+        const SUBMIT_STABLE = 1 << 2;
+        /// `IORING_FEAT_FAST_POLL`: internal polling instead of worker threads where possible.
+        const FAST_POLL = 1 << 5;
+    }
+}
+
+/// The feature bits of `p` that [`RingFeatures`] names; the io-uring crate reports each with its
+/// own accessor.
 fn features_bits(p: &io_uring::Parameters) -> u32 {
-    // Each accessor reports one IORING_FEAT_* bit; collect the ones the stack cares about.
-    let mut bits = 0u32;
-    if p.is_feature_nodrop() {
-        bits |= 1 << 1;
-    }
-    if p.is_feature_submit_stable() {
-        bits |= 1 << 2;
-    }
-    if p.is_feature_fast_poll() {
-        bits |= 1 << 5;
-    }
-    bits
+    let mut f = RingFeatures::empty();
+    f.set(RingFeatures::NODROP, p.is_feature_nodrop());
+    f.set(RingFeatures::SUBMIT_STABLE, p.is_feature_submit_stable());
+    f.set(RingFeatures::FAST_POLL, p.is_feature_fast_poll());
+    f.bits()
 }
 
 /// Probes whether files in `dir` accept `O_DIRECT` reads and writes of one aligned 4 KiB block.
@@ -257,7 +253,7 @@ pub fn probe_o_direct(dir: &Path) -> Capability {
     let _ = std::fs::remove_file(&path);
     match result {
         Ok(()) => Capability::yes(format!("4 KiB O_DIRECT write+read succeeded{via}")),
-        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Capability::no(format!(
+        Err(e) if e.raw_os_error() == Some(Errno::EINVAL as i32) => Capability::no(format!(
             "file system refuses O_DIRECT ({e}){via}; kvstack falls back to buffered I/O there"
         )),
         Err(e) => Capability::no(format!("O_DIRECT probe failed: {e}{via}")),
@@ -270,7 +266,7 @@ fn direct_io_roundtrip(path: &Path) -> io::Result<()> {
         .read(true)
         .write(true)
         .create_new(true)
-        .custom_flags(libc::O_DIRECT)
+        .custom_flags(OFlag::O_DIRECT.bits())
         .open(path)?;
     // An over-allocated Vec gives a 4 KiB-aligned window without unsafe code.
     let mut buf = vec![0u8; 2 * BLOCK];

@@ -31,145 +31,13 @@
 //! registered with a device: memory a device may write is reached only through a
 //! [`crate::VolatileView`] of a [`crate::DeviceSharedRegion`] (see [`crate::pinned`]).
 
-use std::io;
 use std::ptr::NonNull;
 
+use nix::errno::Errno;
+
 use crate::Error;
+use crate::os::{self, Os, round_up};
 use crate::pinned::{HugePages, Locking, PinnedOptions};
-
-/// `MADV_COLLAPSE` (Linux 6.1, `include/uapi/asm-generic/mman-common.h`); not in `libc` yet.
-const MADV_COLLAPSE: libc::c_int = 25;
-
-/// The system calls a growable region needs, behind a trait so the commit policy is tested
-/// with a fake kernel that fails on demand.
-pub(crate) trait ReserveOs: Send + Sync {
-    fn page_size(&self) -> usize;
-    fn huge_page_size(&self) -> Option<usize>;
-    /// Reserves `len` bytes of inaccessible address space.
-    fn reserve(&self, len: usize) -> io::Result<NonNull<u8>>;
-    /// Makes a reserved range readable and writable (or inaccessible again).
-    fn protect(&self, ptr: NonNull<u8>, len: usize, writable: bool) -> io::Result<()>;
-    /// Faults a writable range in.
-    fn populate(&self, ptr: NonNull<u8>, len: usize) -> io::Result<()>;
-    fn lock(&self, ptr: NonNull<u8>, len: usize) -> io::Result<()>;
-    fn unlock(&self, ptr: NonNull<u8>, len: usize) -> io::Result<()>;
-    /// Drops the contents of a range (it reads as zero when faulted in again).
-    fn discard(&self, ptr: NonNull<u8>, len: usize) -> io::Result<()>;
-    fn advise_huge(&self, ptr: NonNull<u8>, len: usize) -> io::Result<()>;
-    fn collapse(&self, ptr: NonNull<u8>, len: usize) -> io::Result<()>;
-    fn unmap(&self, ptr: NonNull<u8>, len: usize);
-}
-
-fn rc_to_result(rc: libc::c_int) -> io::Result<()> {
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
-}
-
-/// The real system calls.
-pub(crate) struct LinuxReserveOs;
-
-impl ReserveOs for LinuxReserveOs {
-    fn page_size(&self) -> usize {
-        // SAFETY: sysconf reads a constant of the running kernel; no memory is passed.
-        let v = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-        usize::try_from(v).ok().filter(|&p| p > 0).unwrap_or(4096)
-    }
-
-    fn huge_page_size(&self) -> Option<usize> {
-        let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-        let m = crate::probe::parse_meminfo(&text);
-        (m.huge_page_bytes > 0)
-            .then(|| usize::try_from(m.huge_page_bytes).ok())
-            .flatten()
-    }
-
-    fn reserve(&self, len: usize) -> io::Result<NonNull<u8>> {
-        let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
-        // SAFETY: an anonymous, inaccessible mapping at an address the kernel chooses; it
-        // aliases no Rust object. The result is checked for MAP_FAILED before use.
-        let p = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_NONE, flags, -1, 0) };
-        if p == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        NonNull::new(p.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned null"))
-    }
-
-    fn protect(&self, ptr: NonNull<u8>, len: usize, writable: bool) -> io::Result<()> {
-        let prot = if writable {
-            libc::PROT_READ | libc::PROT_WRITE
-        } else {
-            libc::PROT_NONE
-        };
-        // SAFETY: the range lies inside a reservation this process owns (checked by the
-        // caller); no Rust reference to bytes that become inaccessible is alive (the region
-        // only lends references to its committed prefix through &self / &mut self).
-        rc_to_result(unsafe { libc::mprotect(ptr.as_ptr().cast(), len, prot) })
-    }
-
-    fn populate(&self, ptr: NonNull<u8>, len: usize) -> io::Result<()> {
-        // SAFETY: the range is writable memory of our own mapping; MADV_POPULATE_WRITE only
-        // faults pages in (fresh anonymous pages are zero), it does not change contents.
-        let rc = unsafe { libc::madvise(ptr.as_ptr().cast(), len, libc::MADV_POPULATE_WRITE) };
-        match rc_to_result(rc) {
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-                // Kernels before 5.14: fault each page in by writing a zero to it (the page is
-                // fresh, so it already reads as zero and the write changes nothing).
-                let page = self.page_size();
-                for off in (0..len).step_by(page) {
-                    // SAFETY: off < len lies in the writable, exclusively owned range; no
-                    // reference to it exists while the owner holds &mut self.
-                    unsafe { ptr.as_ptr().add(off).write_volatile(0) };
-                }
-                Ok(())
-            }
-            other => other,
-        }
-    }
-
-    fn lock(&self, ptr: NonNull<u8>, len: usize) -> io::Result<()> {
-        // SAFETY: the range is committed memory of our own mapping; mlock faults it in and pins
-        // it without changing its contents.
-        rc_to_result(unsafe { libc::mlock(ptr.as_ptr().cast(), len) })
-    }
-
-    fn unlock(&self, ptr: NonNull<u8>, len: usize) -> io::Result<()> {
-        // SAFETY: as in lock; munlock only unpins.
-        rc_to_result(unsafe { libc::munlock(ptr.as_ptr().cast(), len) })
-    }
-
-    fn discard(&self, ptr: NonNull<u8>, len: usize) -> io::Result<()> {
-        // SAFETY: the range is part of our private anonymous mapping and no Rust reference to it
-        // is alive (the caller holds &mut self); MADV_DONTNEED frees the pages, which read as
-        // zero when faulted in again.
-        rc_to_result(unsafe { libc::madvise(ptr.as_ptr().cast(), len, libc::MADV_DONTNEED) })
-    }
-
-    fn advise_huge(&self, ptr: NonNull<u8>, len: usize) -> io::Result<()> {
-        // SAFETY: the range is our own mapping; MADV_HUGEPAGE only changes paging policy.
-        rc_to_result(unsafe { libc::madvise(ptr.as_ptr().cast(), len, libc::MADV_HUGEPAGE) })
-    }
-
-    fn collapse(&self, ptr: NonNull<u8>, len: usize) -> io::Result<()> {
-        // SAFETY: the range is committed memory of our own mapping; MADV_COLLAPSE copies its
-        // pages into a huge page in place, preserving contents.
-        rc_to_result(unsafe { libc::madvise(ptr.as_ptr().cast(), len, MADV_COLLAPSE) })
-    }
-
-    fn unmap(&self, ptr: NonNull<u8>, len: usize) {
-        // SAFETY: `ptr..ptr+len` is exactly the mapping created by `reserve`, and its owner is
-        // being dropped, so nothing refers to it any more. munmap also unlocks.
-        let rc = unsafe { libc::munmap(ptr.as_ptr().cast(), len) };
-        if rc != 0 {
-            log::error!(
-                "munmap of {len} bytes failed: {}",
-                io::Error::last_os_error()
-            );
-        }
-    }
-}
 
 /// A reserved address range whose prefix is committed on demand. See the module docs.
 pub struct GrowableRegion {
@@ -195,7 +63,7 @@ pub struct GrowableRegion {
     locked: usize,
     /// Set after the first failed mlock: the rest of the region stays unpinned.
     lock_failed: bool,
-    os: &'static dyn ReserveOs,
+    os: &'static dyn Os,
 }
 
 // SAFETY: a GrowableRegion uniquely owns its mapping (like a Vec<u8> owns its buffer); the raw
@@ -205,20 +73,15 @@ unsafe impl Send for GrowableRegion {}
 // SAFETY: see Send: &GrowableRegion only allows reads of CPU-private memory.
 unsafe impl Sync for GrowableRegion {}
 
-fn round_up(len: usize, to: usize) -> Option<usize> {
-    len.checked_add(to - 1).map(|v| v / to * to)
-}
-
 impl GrowableRegion {
     /// Reserves `capacity` bytes (rounded up to whole pages) of address space; nothing is
     /// committed yet. `opts` chooses the huge page and locking policy of later commits.
     pub fn new(capacity: usize, opts: PinnedOptions) -> Result<GrowableRegion, Error> {
-        static OS: LinuxReserveOs = LinuxReserveOs;
-        Self::new_with(&OS, capacity, opts)
+        Self::new_with(&os::LINUX, capacity, opts)
     }
 
     pub(crate) fn new_with(
-        os: &'static dyn ReserveOs,
+        os: &'static dyn Os,
         capacity: usize,
         opts: PinnedOptions,
     ) -> Result<GrowableRegion, Error> {
@@ -373,7 +236,7 @@ impl GrowableRegion {
             let ptr = unsafe { NonNull::new_unchecked(self.base.as_ptr().add(self.huge_checked)) };
             match self.os.collapse(ptr, h) {
                 Ok(()) => self.huge_bytes += h,
-                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                Err(e) if e.raw_os_error() == Some(Errno::EINVAL as i32) => {
                     log::debug!("MADV_COLLAPSE unsupported ({e}); huge pages only on fault");
                     self.huge = None;
                     return;
@@ -459,87 +322,7 @@ impl std::fmt::Debug for GrowableRegion {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::Mutex;
-
-    /// A fake kernel on top of the real one: real memory, but mlock, populate and collapse fail
-    /// on demand, and calls are recorded.
-    #[derive(Default)]
-    struct FakeOs {
-        lock_fails: bool,
-        populate_fails: bool,
-        huge: Option<usize>,
-        calls: Mutex<Vec<String>>,
-    }
-
-    impl FakeOs {
-        fn log(&self, s: String) {
-            self.calls.lock().unwrap().push(s);
-        }
-        fn calls(&self) -> Vec<String> {
-            self.calls.lock().unwrap().clone()
-        }
-    }
-
-    impl ReserveOs for FakeOs {
-        fn page_size(&self) -> usize {
-            LinuxReserveOs.page_size()
-        }
-        fn huge_page_size(&self) -> Option<usize> {
-            self.huge
-        }
-        fn reserve(&self, len: usize) -> io::Result<NonNull<u8>> {
-            self.log(format!("reserve {len}"));
-            LinuxReserveOs.reserve(len)
-        }
-        fn protect(&self, ptr: NonNull<u8>, len: usize, writable: bool) -> io::Result<()> {
-            self.log(format!("protect {len} {writable}"));
-            LinuxReserveOs.protect(ptr, len, writable)
-        }
-        fn populate(&self, ptr: NonNull<u8>, len: usize) -> io::Result<()> {
-            self.log(format!("populate {len}"));
-            if self.populate_fails {
-                return Err(io::Error::from_raw_os_error(libc::ENOMEM));
-            }
-            LinuxReserveOs.populate(ptr, len)
-        }
-        fn lock(&self, _: NonNull<u8>, len: usize) -> io::Result<()> {
-            self.log(format!("lock {len}"));
-            if self.lock_fails {
-                Err(io::Error::from_raw_os_error(libc::ENOMEM))
-            } else {
-                Ok(())
-            }
-        }
-        fn unlock(&self, _: NonNull<u8>, len: usize) -> io::Result<()> {
-            self.log(format!("unlock {len}"));
-            Ok(())
-        }
-        fn discard(&self, ptr: NonNull<u8>, len: usize) -> io::Result<()> {
-            self.log(format!("discard {len}"));
-            LinuxReserveOs.discard(ptr, len)
-        }
-        fn advise_huge(&self, _: NonNull<u8>, len: usize) -> io::Result<()> {
-            self.log(format!("advise_huge {len}"));
-            Ok(())
-        }
-        fn collapse(&self, ptr: NonNull<u8>, len: usize) -> io::Result<()> {
-            assert_eq!(
-                ptr.as_ptr() as usize % len,
-                0,
-                "collapse of an unaligned block"
-            );
-            self.log(format!("collapse {len}"));
-            Ok(())
-        }
-        fn unmap(&self, ptr: NonNull<u8>, len: usize) {
-            self.log(format!("unmap {len}"));
-            LinuxReserveOs.unmap(ptr, len);
-        }
-    }
-
-    fn fake(f: FakeOs) -> &'static FakeOs {
-        Box::leak(Box::new(f))
-    }
+    use crate::os::FakeOs;
 
     const NO_LOCK: PinnedOptions = PinnedOptions {
         huge_pages: HugePages::Never,
@@ -588,10 +371,11 @@ mod tests {
 
     #[test]
     fn lock_failure_falls_back_once_and_required_rolls_back() {
-        let os = fake(FakeOs {
+        let os = FakeOs {
             lock_fails: true,
             ..Default::default()
-        });
+        }
+        .leak();
         let mut r = GrowableRegion::new_with(os, 1 << 20, PinnedOptions::default()).unwrap();
         r.commit(4096).unwrap();
         r.commit(8192).unwrap();
@@ -620,10 +404,11 @@ mod tests {
 
     #[test]
     fn populate_failure_leaves_the_region_unchanged() {
-        let os = fake(FakeOs {
+        let os = FakeOs {
             populate_fails: true,
             ..Default::default()
-        });
+        }
+        .leak();
         let mut r = GrowableRegion::new_with(os, 1 << 20, NO_LOCK).unwrap();
         assert!(matches!(
             r.commit(4096),
@@ -636,10 +421,11 @@ mod tests {
     #[test]
     fn locked_commits_are_counted_and_complete_huge_blocks_collapsed() {
         let huge = 2 << 20;
-        let os = fake(FakeOs {
+        let os = FakeOs {
             huge: Some(huge),
             ..Default::default()
-        });
+        }
+        .leak();
         let mut r = GrowableRegion::new_with(os, 8 << 20, PinnedOptions::default()).unwrap();
         // The usable range starts on a huge boundary.
         r.commit(1).unwrap();

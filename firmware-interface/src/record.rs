@@ -108,48 +108,28 @@ impl RecordKind {
     }
 }
 
-/// Feature bits of a record header. A reader refuses a record with a bit outside
-/// [`RecordFlags::SUPPORTED`]: an unknown bit may change how the payload must be read.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct RecordFlags(u32);
+bitflags::bitflags! {
+    /// Feature bits of a record header. A reader refuses a record with a bit outside
+    /// [`RecordFlags::SUPPORTED`] ([`RecordFlags::from_bits`] returns `None`): an unknown bit
+    /// may change how the payload must be read.
+    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+    pub struct RecordFlags: u32 {
+        /// Block: the payload ends with the block's token ids (`tokens` x u32 little-endian),
+        /// after the KV data, so `fsck` can recompute the key.
+        const TOKEN_IDS = 1 << 0;
+        /// Written by compaction (a copy of a record from an older segment). Informational.
+        const RELOCATED = 1 << 1;
+        /// Commit: written to record a later last use of an existing prefix rather than by a
+        /// new unit. Informational.
+        const TOUCH = 1 << 2;
+    }
+}
 
 impl RecordFlags {
     /// No flags.
-    pub const EMPTY: RecordFlags = RecordFlags(0);
-    /// Block: the payload ends with the block's token ids (`tokens` x u32 little-endian), after
-    /// the KV data, so `fsck` can recompute the key.
-    pub const TOKEN_IDS: RecordFlags = RecordFlags(1 << 0);
-    /// Written by compaction (a copy of a record from an older segment). Informational.
-    pub const RELOCATED: RecordFlags = RecordFlags(1 << 1);
-    /// Commit: written to record a later last use of an existing prefix rather than by a new
-    /// unit. Informational.
-    pub const TOUCH: RecordFlags = RecordFlags(1 << 2);
-    /// Every bit this version understands.
-    pub const SUPPORTED: RecordFlags = RecordFlags(0b111);
-
-    /// The raw bits.
-    pub const fn bits(self) -> u32 {
-        self.0
-    }
-
-    /// Flags from raw bits, or `None` when a bit is outside [`RecordFlags::SUPPORTED`].
-    pub const fn from_bits(bits: u32) -> Option<RecordFlags> {
-        if bits & !Self::SUPPORTED.0 == 0 {
-            Some(RecordFlags(bits))
-        } else {
-            None
-        }
-    }
-
-    /// Whether every bit of `other` is set.
-    pub const fn contains(self, other: RecordFlags) -> bool {
-        self.0 & other.0 == other.0
-    }
-
-    /// The union of two sets of flags.
-    pub const fn union(self, other: RecordFlags) -> RecordFlags {
-        RecordFlags(self.0 | other.0)
-    }
+    pub const EMPTY: RecordFlags = RecordFlags::empty();
+    /// Every bit this version understands (all the flags above).
+    pub const SUPPORTED: RecordFlags = RecordFlags::all();
 }
 
 /// The first 256 bytes of a record's header page, exactly as on disk (little-endian, no
@@ -657,6 +637,26 @@ mod tests {
         let n = encode_record_with_crc(&header(), &payload, crc32c(&payload), &mut other).unwrap();
         assert_eq!(n, len);
         assert_eq!(other[..len], buf[..len]);
+    }
+
+    #[test]
+    fn flag_bits_are_the_on_disk_values() {
+        assert_eq!(RecordFlags::EMPTY.bits(), 0);
+        assert_eq!(RecordFlags::TOKEN_IDS.bits(), 1);
+        assert_eq!(RecordFlags::RELOCATED.bits(), 2);
+        assert_eq!(RecordFlags::TOUCH.bits(), 4);
+        assert_eq!(RecordFlags::SUPPORTED.bits(), 0b111);
+        assert_eq!(
+            RecordFlags::from_bits(0b101),
+            Some(RecordFlags::TOKEN_IDS.union(RecordFlags::TOUCH))
+        );
+        assert_eq!(RecordFlags::from_bits(0b1000), None);
+        assert_eq!(RecordFlags::from_bits(1 << 31 | 1), None);
+        let h = RecordHeader {
+            flags: RecordFlags::SUPPORTED,
+            ..header()
+        };
+        assert_eq!(h.encode()[12..16], [0b111, 0, 0, 0]);
     }
 
     #[test]

@@ -3,9 +3,11 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Seek, SeekFrom};
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
+
+use nix::errno::Errno;
+use nix::fcntl::{FallocateFlags, OFlag, fallocate};
 
 /// How to open a file.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -28,7 +30,7 @@ pub fn open_file(path: &Path, mode: OpenMode) -> io::Result<File> {
         .write(mode.write || mode.create)
         .create(mode.create);
     if mode.direct {
-        o.custom_flags(libc::O_DIRECT);
+        o.custom_flags(OFlag::O_DIRECT.bits());
     }
     o.open(path)
 }
@@ -54,21 +56,16 @@ pub fn file_size(file: &File) -> io::Result<u64> {
 /// # Errors
 /// The OS error of `fallocate` or `ftruncate`.
 pub fn preallocate(file: &File, len: u64) -> io::Result<()> {
-    let Ok(off_len) = libc::off_t::try_from(len) else {
+    let Ok(off_len) = len.try_into() else {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
             "length too large",
         ));
     };
-    // SAFETY: fallocate on a descriptor this File owns; no memory is passed.
-    let rc = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, off_len) };
-    if rc == 0 {
-        return Ok(());
-    }
-    let err = io::Error::last_os_error();
-    match err.raw_os_error() {
-        Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS) => file.set_len(len),
-        _ => Err(err),
+    match fallocate(file, FallocateFlags::empty(), 0, off_len) {
+        Ok(()) => Ok(()),
+        Err(Errno::EOPNOTSUPP | Errno::ENOSYS) => file.set_len(len),
+        Err(e) => Err(e.into()),
     }
 }
 

@@ -8,6 +8,8 @@
 use std::io;
 use std::os::fd::AsRawFd;
 
+use nix::errno::Errno;
+
 use super::buffer::{BufferPool, PoolInner};
 use super::{BlockEngine, Completion, EngineKind, IoOp, OpKind, SubmitError};
 use std::sync::Arc;
@@ -68,6 +70,7 @@ impl Ring for LinuxRing {
         &mut self,
         ranges: &[(std::ptr::NonNull<u8>, usize)],
     ) -> io::Result<()> {
+        // Raw libc: the io-uring crate takes its own `libc::iovec` type.
         let iovecs: Vec<libc::iovec> = ranges
             .iter()
             .map(|&(p, len)| libc::iovec {
@@ -277,7 +280,7 @@ impl<R: Ring> RingEngine<R> {
             };
             let result = if res < 0 {
                 let errno = -res;
-                if errno == libc::EAGAIN || errno == libc::EINTR {
+                if matches!(Errno::from_raw(errno), Errno::EAGAIN | Errno::EINTR) {
                     None
                 } else {
                     Some(Err(io::Error::from_raw_os_error(errno)))
@@ -387,7 +390,7 @@ impl<R: Ring> BlockEngine for RingEngine<R> {
             let need = want.saturating_sub(got);
             match self.ring.submit_and_wait(need) {
                 Ok(_) => self.unsubmitted = 0,
-                Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
+                Err(e) if e.raw_os_error() == Some(Errno::EINTR as i32) => {}
                 Err(e) => return Err(e),
             }
             got += self.reap(out)?;
@@ -494,10 +497,10 @@ mod tests {
         fn execute(&mut self, sqe: Sqe) -> i32 {
             let first = self.seen.insert(sqe.user_data);
             if self.b.eagain_first && first {
-                return -libc::EAGAIN;
+                return -(Errno::EAGAIN as i32);
             }
             if Some(sqe.offset) == self.b.fail_offset {
-                return -libc::EIO;
+                return -(Errno::EIO as i32);
             }
             if sqe.buf_index.is_some() {
                 *self.fixed_ops.lock().unwrap() += 1;
@@ -532,7 +535,7 @@ mod tests {
     impl Ring for FakeRing {
         unsafe fn register_buffers(&mut self, ranges: &[(NonNull<u8>, usize)]) -> io::Result<()> {
             if self.b.refuse_registration {
-                return Err(io::Error::from_raw_os_error(libc::ENOMEM));
+                return Err(Errno::ENOMEM.into());
             }
             *self.registered.lock().unwrap() = ranges
                 .iter()
@@ -560,7 +563,7 @@ mod tests {
 
         fn submit_and_wait(&mut self, want: usize) -> io::Result<usize> {
             if self.b.broken {
-                return Err(io::Error::from_raw_os_error(libc::EBADF));
+                return Err(Errno::EBADF.into());
             }
             self.calls += 1;
             let n = self.queued.len();
@@ -714,7 +717,7 @@ mod tests {
             match c.op.tag {
                 7 => assert_eq!(
                     c.result.as_ref().unwrap_err().raw_os_error(),
-                    Some(libc::EIO)
+                    Some(Errno::EIO as i32)
                 ),
                 8 => {
                     // Only 4096 bytes exist past offset 8192: a short read at end of file.
