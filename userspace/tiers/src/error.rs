@@ -125,6 +125,14 @@ pub enum Error {
         reason: String,
     },
 
+    /// The store's own bookkeeping is inconsistent (a bug; found by
+    /// [`crate::SsdStore::check_index`]).
+    #[error("internal store invariant violated: {what}")]
+    Internal {
+        /// Which invariant, and where.
+        what: String,
+    },
+
     /// A paged-cache operation failed during persist or restore (the source is the cache's
     /// error).
     #[error("paged cache")]

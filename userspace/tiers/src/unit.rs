@@ -560,5 +560,19 @@ fn parse_snapshot<'a>(b: &'a [u8], g: &CacheGeometry) -> Option<Snapshot<'a>> {
 
 /// Hex of a whole key (for tools).
 pub fn key_to_hex(key: &Key) -> String {
-    super::key::key_hex(key, KEY_BYTES)
+    crate::key::key_hex(key, KEY_BYTES)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_block_payload_is_a_full_v41_flash_block() {
+        let cfg = kvstack_spec::builtin::default_config().unwrap();
+        let plan = kvstack_spec::plan::LayerPlan::from_config(&cfg).unwrap();
+        let g = CacheGeometry::new(&cfg, &plan, 256).unwrap();
+        let with_tokens = block_payload_bytes(&g, 256) as usize + 4 * 256;
+        assert_eq!(with_tokens, crate::store::V41_BLOCK_PAYLOAD);
+    }
 }

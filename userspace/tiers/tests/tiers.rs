@@ -14,8 +14,22 @@ use kvstack_driver::blockio::EnginePreference;
 use kvstack_firmware_interface::record::ALIGN;
 use kvstack_tiers::Error;
 use kvstack_tiers::fsck::fsck;
-use kvstack_tiers::{Clock, HOUR_MS, ManualClock, ReadOutcome, StoreLocation, SystemClock, Tenant};
+use kvstack_tiers::{
+    Clock, HOUR_MS, ManualClock, ReadOutcome, StoreHooks, StoreLocation, SystemClock, Tenant,
+};
 use tiers_common::*;
+
+/// The syncer waits this many milliseconds before each batch's sync (a slow disk).
+#[derive(Debug)]
+struct SyncDelay(u64);
+
+impl StoreHooks for SyncDelay {
+    fn before_sync(&self) {
+        if self.0 > 0 {
+            std::thread::sleep(std::time::Duration::from_millis(self.0));
+        }
+    }
+}
 
 fn clock() -> Arc<ManualClock> {
     Arc::new(ManualClock::new(1_700_000_000_000))
@@ -555,7 +569,7 @@ fn full_store_cycles(
         let mut o = small_opts(dir.path());
         o.capacity_bytes = 12 * o.segment_bytes;
         o.retention_ms = retention;
-        o.test_sync_delay_ms = sync_delay_ms;
+        o.hooks = Some(Arc::new(SyncDelay(sync_delay_ms)));
         o
     };
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
@@ -704,7 +718,7 @@ fn touch_bursts_at_capacity_never_publish_into_reclaimed_segments() {
     assert!(written.len() > 600, "{}", written.len());
     store.close().unwrap();
     // Now the disk is slow to sync.
-    opts.test_sync_delay_ms = 30;
+    opts.hooks = Some(Arc::new(SyncDelay(30)));
     let store = open(opts.clone(), c.clone());
     c.advance(HOUR_MS);
     for tok in &written {

@@ -1,0 +1,408 @@
+//! The in-memory index of the store: blocks, units and segments, the state shared by the
+//! callers and the writer thread, and the rules that change it (publish, pin, drop).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use kvstack_driver::blockio::{BlockEngine, BufferPool, EngineChoice, EnginePreference};
+use kvstack_firmware_interface::record::Key;
+
+use super::SsdStore;
+use super::options::{RecoveryReport, StoreOptions};
+use super::put::{Job, UnitJob};
+use crate::clock::Clock;
+use crate::segment::{SegmentFile, Space};
+use crate::{Error, Result};
+
+/// Where a record lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Loc {
+    pub(super) seg: u64,
+    pub(super) offset: u64,
+    pub(super) len: u64,
+    pub(super) seq: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum BlockState {
+    /// Queued or being written by the job that created it.
+    Pending,
+    Written(Loc),
+    /// Its write failed or its job was abandoned.
+    Failed,
+}
+
+#[derive(Debug)]
+pub(super) struct BlockMeta {
+    pub(super) parent: Key,
+    pub(super) depth: u32,
+    pub(super) tokens: u32,
+    pub(super) state: BlockState,
+    /// Visible units containing it.
+    pub(super) covered: u32,
+    /// Queued jobs relying on it.
+    pub(super) pinned: u32,
+    pub(super) damaged: bool,
+}
+
+impl BlockMeta {
+    pub(super) fn loc(&self) -> Option<Loc> {
+        match self.state {
+            BlockState::Written(l) => Some(l),
+            _ => None,
+        }
+    }
+
+    pub(super) fn visible(&self) -> bool {
+        self.covered > 0 && !self.damaged && self.loc().is_some()
+    }
+}
+
+#[derive(Debug)]
+pub(super) struct UnitMeta {
+    pub(super) tokens: u64,
+    pub(super) created: u64,
+    pub(super) last_used: u64,
+    /// Last use recorded on disk.
+    pub(super) persisted_used: u64,
+    /// Its newest commit record (None for a prefix unit created by a lookup and not yet
+    /// written).
+    pub(super) loc: Option<Loc>,
+    pub(super) touch_queued: bool,
+    pub(super) tenant_id: u64,
+    pub(super) model: [u8; 16],
+}
+
+#[derive(Debug)]
+pub(super) struct SegMeta {
+    pub(super) file: Arc<SegmentFile>,
+    /// Bytes of live records.
+    pub(super) live: u64,
+    /// End of the written area.
+    pub(super) written: u64,
+    /// Next free offset (only meaningful for the active segment).
+    pub(super) next: u64,
+    pub(super) blocks: HashSet<Key>,
+    pub(super) units: HashSet<Key>,
+    /// Commits written into it and not yet published (or failed) by the syncer. Such a
+    /// segment holds records the index does not know of yet, so it is never retired or
+    /// compacted meanwhile (a retired one would take them with it, and publishing would then
+    /// move the unit's only live commit into a deleted segment).
+    pub(super) unpublished: u32,
+}
+
+pub(super) struct State {
+    pub(super) blocks: HashMap<Key, BlockMeta>,
+    pub(super) units: HashMap<Key, UnitMeta>,
+    pub(super) by_age: BTreeSet<(u64, Key)>,
+    /// Blocks by parent (for finding a unit's shorter last block).
+    pub(super) children: HashMap<Key, Vec<(u32, Key)>>,
+    pub(super) segments: BTreeMap<u64, SegMeta>,
+    pub(super) retired: Vec<Arc<SegmentFile>>,
+    pub(super) space: Space,
+    /// The segment data is appended to.
+    pub(super) active: Option<u64>,
+    /// The segment touch commits and compaction copies are appended to.
+    pub(super) system_active: Option<u64>,
+    pub(super) next_seq: u64,
+    pub(super) next_segment: u64,
+    pub(super) store_id: [u8; 16],
+    pub(super) queued_bytes: u64,
+    pub(super) poisoned: Option<String>,
+}
+
+#[derive(Default)]
+pub(super) struct Counters {
+    pub(super) units_written: AtomicU64,
+    pub(super) blocks_written: AtomicU64,
+    pub(super) blocks_shared: AtomicU64,
+    pub(super) bytes_written: AtomicU64,
+    pub(super) refused_full: AtomicU64,
+    pub(super) refused_queue: AtomicU64,
+    pub(super) failed_writes: AtomicU64,
+    pub(super) units_evicted: AtomicU64,
+    pub(super) segments_compacted: AtomicU64,
+    pub(super) segments_freed: AtomicU64,
+    pub(super) records_relocated: AtomicU64,
+    pub(super) damaged_reads: AtomicU64,
+    pub(super) lookups: AtomicU64,
+    pub(super) hits: AtomicU64,
+}
+
+pub(super) fn bump(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Ordering::Relaxed);
+}
+
+pub(super) struct ReadCtx {
+    pub(super) engine: Box<dyn BlockEngine>,
+    pub(super) pool: BufferPool,
+}
+
+pub(super) struct Shared {
+    pub(super) state: Mutex<State>,
+    pub(super) opts: StoreOptions,
+    pub(super) clock: Arc<dyn Clock>,
+    pub(super) jobs: Mutex<Option<mpsc::Sender<Job>>>,
+    pub(super) choice: EngineChoice,
+    pub(super) read_preference: EnginePreference,
+    pub(super) readers: Mutex<Vec<ReadCtx>>,
+    /// Payload buffers the writer has finished with, reused by `put_unit`: a fresh 230 KB
+    /// allocation per block is a fresh mapping whose pages fault in one by one (and whose
+    /// release shoots down TLBs), which cost more than the copy into it.
+    pub(super) payloads: Mutex<Vec<Vec<u8>>>,
+    pub(super) counters: Counters,
+    pub(super) recovery: RecoveryReport,
+}
+
+impl Shared {
+    pub(super) fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock cannot leave the index half-updated in a way that
+        // matters more than stopping: keep serving with whatever state there is.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// An empty payload buffer with room for one block.
+    pub(super) fn payload_buffer(&self) -> Vec<u8> {
+        let reused = self
+            .payloads
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pop();
+        reused.unwrap_or_else(|| Vec::with_capacity(self.opts.max_block_payload))
+    }
+
+    /// Keeps `buf` for reuse, up to [`PAYLOAD_CACHE_BYTES`] of buffers.
+    pub(super) fn recycle_payload(&self, mut buf: Vec<u8>) {
+        if buf.capacity() < self.opts.max_block_payload {
+            return;
+        }
+        buf.clear();
+        let mut cache = self.payloads.lock().unwrap_or_else(|e| e.into_inner());
+        if (cache.len() + 1) * self.opts.max_block_payload <= PAYLOAD_CACHE_BYTES {
+            cache.push(buf);
+        }
+    }
+
+    pub(super) fn send(&self, job: Job) -> Result<()> {
+        let jobs = self.jobs.lock().unwrap_or_else(|e| e.into_inner());
+        match jobs.as_ref() {
+            Some(tx) => tx.send(job).map_err(|_| Error::Closed),
+            None => Err(Error::Closed),
+        }
+    }
+}
+
+/// Payload buffers kept for reuse between the writer and `put_unit` (at V4.1 dimensions about
+/// 140 blocks: four parts of a long unit).
+pub(super) const PAYLOAD_CACHE_BYTES: usize = 32 << 20;
+
+impl SsdStore {
+    /// Checks the in-memory index against itself: every unit's commit and every written
+    /// block lies in a segment the store holds and is counted there, and every segment's
+    /// live bytes are the sum of what it holds. For tests and `fsck`-style tools.
+    ///
+    /// # Errors
+    /// [`Error::Internal`] naming the first inconsistency.
+    pub fn check_index(&self) -> Result<()> {
+        self.first_inconsistency()
+            .map_err(|what| Error::Internal { what })
+    }
+
+    /// The first inconsistency of the index, described.
+    fn first_inconsistency(&self) -> std::result::Result<(), String> {
+        let st = self.shared.lock();
+        let mut live: HashMap<u64, u64> = HashMap::new();
+        for (k, u) in &st.units {
+            let Some(l) = u.loc else { continue };
+            let seg = st.segments.get(&l.seg).ok_or_else(|| {
+                format!(
+                    "unit {} has its commit in segment {}, which the store does not hold",
+                    crate::key::key_hex(k, 8),
+                    l.seg
+                )
+            })?;
+            if !seg.units.contains(k) {
+                return Err(format!(
+                    "unit {} is not counted in its segment {}",
+                    crate::key::key_hex(k, 8),
+                    l.seg
+                ));
+            }
+            *live.entry(l.seg).or_default() += l.len;
+        }
+        for (k, b) in &st.blocks {
+            let Some(l) = b.loc() else { continue };
+            let Some(seg) = st.segments.get(&l.seg) else {
+                if b.covered > 0 {
+                    return Err(format!(
+                        "block {} of a unit lies in segment {}, which the store does not hold",
+                        crate::key::key_hex(k, 8),
+                        l.seg
+                    ));
+                }
+                continue;
+            };
+            if seg.blocks.contains(k) {
+                *live.entry(l.seg).or_default() += l.len;
+            } else if b.covered > 0 {
+                return Err(format!(
+                    "block {} of a unit is not counted in its segment {}",
+                    crate::key::key_hex(k, 8),
+                    l.seg
+                ));
+            }
+        }
+        for (id, seg) in &st.segments {
+            let want = live.get(id).copied().unwrap_or(0);
+            if seg.live != want {
+                return Err(format!(
+                    "segment {id} counts {} live bytes, holds {want}",
+                    seg.live
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The chain of keys ending at `end`, first to last (walking parent links).
+pub(super) fn chain_of(st: &State, end: &Key) -> Vec<Key> {
+    let mut out = vec![*end];
+    let mut at = *end;
+    while let Some(b) = st.blocks.get(&at) {
+        if b.depth <= 1 {
+            break;
+        }
+        at = b.parent;
+        out.push(at);
+    }
+    out.reverse();
+    out
+}
+
+/// Releases a job's pins on `keys`; blocks nobody needs any more are dropped.
+pub(super) fn unpin(st: &mut State, keys: &[Key]) {
+    for k in keys {
+        let dead = match st.blocks.get_mut(k) {
+            Some(b) => {
+                b.pinned = b.pinned.saturating_sub(1);
+                if b.pinned == 0 && b.covered == 0 && b.state == BlockState::Pending {
+                    // Claimed by this job and never written.
+                    b.state = BlockState::Failed;
+                }
+                b.pinned == 0 && b.covered == 0
+            }
+            None => false,
+        };
+        if dead {
+            drop_block(st, k);
+        }
+    }
+}
+
+/// Removes a block nobody covers or pins: its record becomes dead space.
+pub(super) fn drop_block(st: &mut State, k: &Key) {
+    let Some(b) = st.blocks.remove(k) else {
+        return;
+    };
+    if let Some(l) = b.loc()
+        && let Some(s) = st.segments.get_mut(&l.seg)
+        && s.blocks.remove(k)
+    {
+        s.live = s.live.saturating_sub(l.len);
+    }
+    if let Some(kids) = st.children.get_mut(&b.parent) {
+        kids.retain(|(_, c)| c != k);
+        if kids.is_empty() {
+            st.children.remove(&b.parent);
+        }
+    }
+}
+
+/// Makes a durable unit visible (or records a touch), moving its job's pins to coverage.
+pub(super) fn publish(st: &mut State, job: &UnitJob, loc: Option<Loc>, shared: &Shared) {
+    let Some(loc) = loc else { return };
+    let end = job.end;
+    let State {
+        units,
+        by_age,
+        blocks,
+        segments,
+        children,
+        ..
+    } = st;
+    let mut count_commit = |units_in_seg: &mut HashMap<Key, UnitMeta>| {
+        if let Some(u) = units_in_seg.get_mut(&end) {
+            if let Some(old) = u.loc.replace(loc)
+                && let Some(s) = segments.get_mut(&old.seg)
+                && s.units.remove(&end)
+            {
+                s.live = s.live.saturating_sub(old.len);
+            }
+            if let Some(s) = segments.get_mut(&loc.seg) {
+                s.live += loc.len;
+                s.units.insert(end);
+            }
+            u.persisted_used = u.persisted_used.max(job.last_used);
+            u.touch_queued = false;
+            if u.tenant_id == 0 {
+                u.tenant_id = job.tenant_id;
+                u.model = job.model;
+            }
+            true
+        } else {
+            false
+        }
+    };
+    if job.touch {
+        count_commit(units);
+        return;
+    }
+    if count_commit(units) {
+        // The same unit was committed twice (two identical puts in flight): one coverage.
+        for k in &job.keys {
+            if let Some(b) = blocks.get_mut(k) {
+                b.pinned = b.pinned.saturating_sub(1);
+            }
+        }
+        if let Some(u) = units.get_mut(&end) {
+            by_age.remove(&(u.last_used, end));
+            u.last_used = u.last_used.max(job.created);
+            by_age.insert((u.last_used, end));
+        }
+        return;
+    }
+    for k in &job.keys {
+        if let Some(b) = blocks.get_mut(k) {
+            b.pinned = b.pinned.saturating_sub(1);
+            b.covered += 1;
+            if b.covered == 1 {
+                let kids = children.entry(b.parent).or_default();
+                if !kids.iter().any(|(_, c)| c == k) {
+                    kids.push((b.tokens, *k));
+                }
+            }
+        }
+    }
+    units.insert(
+        end,
+        UnitMeta {
+            tokens: job.tokens,
+            created: job.created,
+            last_used: job.created,
+            persisted_used: job.created,
+            loc: Some(loc),
+            touch_queued: false,
+            tenant_id: job.tenant_id,
+            model: job.model,
+        },
+    );
+    by_age.insert((job.created, end));
+    if let Some(s) = segments.get_mut(&loc.seg) {
+        s.live += loc.len;
+        s.units.insert(end);
+    }
+    let _ = shared;
+}
