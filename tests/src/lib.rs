@@ -1,4 +1,4 @@
 //! End-to-end tests across the kvstack crates live in `tests/tests/`; this library is empty.
 //!
-//! Tests here combine layers the way the runtime does (plan + codecs + arithmetic) and load
-//! inputs from `../shared` beside the repository root, never from copies.
+//! - `layers.rs`: the workspace's layering, read from `cargo metadata` (every dependency
+//!   points to a crate of lower rank).

@@ -134,7 +134,7 @@ pub struct FootprintArgs {
 }
 
 /// Runs `kvstack bench footprint`: builds a real V4.1-Flash cache for one sequence and reports
-/// the bytes its pools allocated. Exits non-zero when a target of the issue is missed.
+/// the bytes its pools allocated. Exits non-zero when a target is missed.
 pub fn footprint(args: &FootprintArgs) -> Result<(), CliError> {
     let bar = indicatif::ProgressBar::new(args.tokens);
     bar.set_style(

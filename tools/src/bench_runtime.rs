@@ -14,7 +14,7 @@ use crate::run::ModeArg;
 #[derive(Args)]
 pub struct RuntimeArgs {
     /// Data directory on the SSD (the bench works in a subdirectory it removes).
-    #[arg(long, value_name = "D", default_value = "kvstack-data")]
+    #[arg(long, value_name = "D", default_value = crate::DEFAULT_DATA_DIR)]
     dir: PathBuf,
     /// Tokens of the long prompt of the time-to-first-token runs.
     #[arg(long, value_name = "N", default_value_t = 32_768)]

@@ -12,7 +12,7 @@ use crate::error::CliError;
 #[derive(Args)]
 pub struct TiersArgs {
     /// Data directory on the SSD to measure (the bench works in a subdirectory it removes).
-    #[arg(long, value_name = "D", default_value = "kvstack-data")]
+    #[arg(long, value_name = "D", default_value = crate::DEFAULT_DATA_DIR)]
     dir: PathBuf,
     /// Units of 131,072 tokens written and read (about 120 MB each).
     #[arg(long, value_name = "N", default_value_t = 4)]

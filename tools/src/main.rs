@@ -25,6 +25,10 @@ use kvstack_firmware_interface::EntryFormat;
 
 use crate::error::CliError;
 
+/// The data directory of every subcommand that takes `--data-dir` (or `--dir`), relative to the
+/// working directory: `kvstack run` leaves its store there for `kvstack store` to inspect.
+const DEFAULT_DATA_DIR: &str = "kvstack-data";
+
 /// kvstack: store, compute and serve the KV cache of DeepSeek-V4.1-Flash-class models.
 #[derive(Parser)]
 #[command(name = "kvstack", version, about, propagate_version = true)]
@@ -50,7 +54,7 @@ enum Command {
     /// io_uring, O_DIRECT on the data directory, CUDA.
     Info {
         /// Data directory whose file system is probed for O_DIRECT.
-        #[arg(long, default_value = "kvstack-data")]
+        #[arg(long, default_value = crate::DEFAULT_DATA_DIR)]
         data_dir: PathBuf,
         /// Print one JSON object instead of text.
         #[arg(long)]

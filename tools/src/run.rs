@@ -45,7 +45,7 @@ pub enum ModeArg {
 #[derive(Args)]
 pub struct RunArgs {
     /// Data directory: the SSD store's segments (created if absent).
-    #[arg(long, default_value = "kvstack-data")]
+    #[arg(long, default_value = crate::DEFAULT_DATA_DIR)]
     data_dir: PathBuf,
     /// Concurrent agent sessions.
     #[arg(long, default_value_t = 3)]

@@ -55,7 +55,7 @@ fn options(a: &StoreArgs) -> StoreOptions {
     let location = match (&a.dir, &a.device) {
         (_, Some(d)) => StoreLocation::Device(d.clone()),
         (Some(d), None) => StoreLocation::Directory(d.clone()),
-        (None, None) => StoreLocation::Directory(PathBuf::from("kvstack-data")),
+        (None, None) => StoreLocation::Directory(PathBuf::from(crate::DEFAULT_DATA_DIR)),
     };
     let mut o = StoreOptions::new(location);
     o.segment_bytes = a.segment_mib.max(1) << 20;

@@ -17,7 +17,7 @@ use crate::Error;
 /// Tokens per prefill chunk of the bench.
 pub const FOOTPRINT_CHUNK_TOKENS: u64 = 4096;
 
-/// The limits the issue sets for N = 1,048,576.
+/// The footprint targets for N = 1,048,576 tokens.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct FootprintTargets {
     /// `global_bytes_per_token` must not exceed this (890 is the entry arithmetic).

@@ -52,7 +52,7 @@ pub struct RuntimeBenchOptions {
 }
 
 impl RuntimeBenchOptions {
-    /// The defaults of the issue's benchmark: a 32,768-token prompt, 1 and 2 threads.
+    /// The defaults: a 32,768-token prompt, 1 and 2 threads.
     pub fn new(dir: PathBuf) -> RuntimeBenchOptions {
         RuntimeBenchOptions {
             dir,
@@ -156,7 +156,7 @@ impl RuntimeReport {
     }
 }
 
-/// The TTFT target of the issue: cached / scratch.
+/// The TTFT target: cached / scratch.
 pub const TTFT_TARGET: f64 = 0.1;
 
 impl std::fmt::Display for RuntimeReport {

@@ -209,7 +209,7 @@ pub struct TiersReport {
     pub restore: RestoreReport,
     /// Recovery on reopening the store.
     pub recovery: RecoverySummary,
-    /// Targets of the issue: SSD ratios at least this.
+    /// Targets: SSD ratios at least this.
     pub ssd_target: f64,
     /// DRAM ratios at least this.
     pub dram_target: f64,

@@ -2,8 +2,8 @@
 //!
 //! The chunks run on rayon's global pool (one worker per CPU, started once), the first on the
 //! calling thread, through `kvstack_kernels::par::run_tasks` (which waits for the others
-//! without sleeping for a short while): starting an OS thread per chunk, as a decode step did
-//! before, costs 70-400 us on the VMs measured, as much as a chunk's work.
+//! without sleeping for a short while): an OS thread started per chunk would cost about as much
+//! as a decode step's chunk of work.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
