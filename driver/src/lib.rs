@@ -11,6 +11,7 @@
 //! failing.
 
 pub mod blockio;
+pub mod lock;
 mod os;
 pub mod pinned;
 pub mod probe;
@@ -22,7 +23,20 @@ pub use reserve::GrowableRegion;
 
 /// Errors of the driver layer.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
+    /// A data location could not be opened or locked (not because another process holds it:
+    /// that is [`lock::LockOutcome::Busy`]).
+    #[error("{what} {}", path.display())]
+    LockIo {
+        /// What was being done.
+        what: &'static str,
+        /// The location.
+        path: std::path::PathBuf,
+        /// The OS error (errno kept).
+        #[source]
+        source: std::io::Error,
+    },
     /// A pinned region of zero bytes was requested.
     #[error("a pinned region must not be empty")]
     ZeroSizedRegion,

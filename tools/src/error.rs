@@ -63,7 +63,7 @@ pub enum CliError {
         source: kvstack_spec::Error,
     },
     /// The service (model, cache, tiers, engine) failed.
-    #[error("runtime error")]
+    #[error("the service failed")]
     Runtime(#[source] kvstack_engine::Error),
     /// An SSD-store or tiers operation failed.
     #[error("store operation failed")]

@@ -1,4 +1,9 @@
-//! `kvstack store stats|fsck|inspect`: look at an SSD store without writing to it.
+//! `kvstack store stats|fsck|inspect`: look at an SSD store without writing to it (and
+//! `fsck --repair`, which does write).
+//!
+//! Reads take the location's shared lock, so a writer cannot start under them; while a writer
+//! (`kvstack run`, `kvstackd`) holds the location they read it live and say so. `--repair`
+//! needs the exclusive lock: it is refused while any other process uses the store.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -40,7 +45,16 @@ pub enum StoreOp {
     Stats(StoreArgs),
     /// Verify every record (headers, checksums, unit chains) and report damage with its
     /// location. Exit code 1 when damage is found.
-    Fsck(StoreArgs),
+    Fsck {
+        #[command(flatten)]
+        args: StoreArgs,
+        /// First repair what recovery can: open the store for writing (which drops files
+        /// that are not segments and incomplete units, and seals the segments it found),
+        /// evict units past retention and compact mostly dead segments, then check. Needs
+        /// the store to be unused by any other process.
+        #[arg(long)]
+        repair: bool,
+    },
     /// List segments (and with --records every valid record).
     Inspect {
         #[command(flatten)]
@@ -72,7 +86,12 @@ fn print_json(v: &impl serde::Serialize) -> Result<(), CliError> {
 pub fn run(op: &StoreOp) -> Result<(), CliError> {
     match op {
         StoreOp::Stats(a) => stats(a),
-        StoreOp::Fsck(a) => check(a),
+        StoreOp::Fsck { args, repair } => {
+            if *repair {
+                self::repair(args)?;
+            }
+            check(args)
+        }
         StoreOp::Inspect { args, records } => list(args, *records),
     }
 }
@@ -87,6 +106,13 @@ fn stats(a: &StoreArgs) -> Result<(), CliError> {
     let mut out = std::io::stdout().lock();
     let w = |out: &mut std::io::StdoutLock<'_>| -> std::io::Result<()> {
         writeln!(out, "store        {}", s.location.path().display())?;
+        if let Some(w) = &r.live_writers {
+            writeln!(
+                out,
+                "live         being written by {w}: a snapshot (units written meanwhile may be \
+                 missing or show as torn tails)"
+            )?;
+        }
         writeln!(
             out,
             "engine       {} (direct I/O {})",
@@ -136,6 +162,13 @@ fn check(a: &StoreArgs) -> Result<(), CliError> {
     } else {
         let mut out = std::io::stdout().lock();
         let w = |out: &mut std::io::StdoutLock<'_>| -> std::io::Result<()> {
+            if let Some(w) = &r.live_writers {
+                writeln!(
+                    out,
+                    "live store, being written by {w}: checking a snapshot (torn tails of \
+                     writes in flight are expected)"
+                )?;
+            }
             writeln!(
                 out,
                 "{} segments, {} records ({} blocks, {} commits), {} complete units, {} bytes \
@@ -192,6 +225,40 @@ fn check(a: &StoreArgs) -> Result<(), CliError> {
     }
 }
 
+/// `fsck --repair`: what a writer's open and an explicit reclaim repair.
+fn repair(a: &StoreArgs) -> Result<(), CliError> {
+    let mut o = options(a);
+    if let StoreLocation::Directory(d) = &o.location
+        && !d.is_dir()
+    {
+        // Opening for writing would create an empty store where the user expected one.
+        return Err(CliError::Store(kvstack_tiers::Error::Location {
+            path: d.clone(),
+            reason: "no such store directory".into(),
+        }));
+    }
+    o.read_only = false;
+    let store = SsdStore::open(o, Arc::new(SystemClock)).map_err(CliError::Store)?;
+    let rec = store.recovery().clone();
+    let reclaimed = store.reclaim().map_err(CliError::Store)?;
+    store.close().map_err(CliError::Store)?;
+    let mut out = std::io::stdout().lock();
+    writeln!(
+        out,
+        "repair: recovery kept {} units ({} incomplete discarded, {} torn tails, {} damaged \
+         ranges, {} invalid segments); reclaim evicted {} units, compacted {} segments, freed {}",
+        rec.units,
+        rec.units_discarded,
+        rec.torn_tail_ranges,
+        rec.damaged.len(),
+        rec.invalid_segments.len(),
+        reclaimed.units_evicted,
+        reclaimed.segments_compacted,
+        reclaimed.segments_freed
+    )
+    .map_err(CliError::Stdout)
+}
+
 fn list(a: &StoreArgs, records: bool) -> Result<(), CliError> {
     let r = inspect(&options(a), records).map_err(CliError::Store)?;
     if a.json {
@@ -199,6 +266,9 @@ fn list(a: &StoreArgs, records: bool) -> Result<(), CliError> {
     }
     let mut out = std::io::stdout().lock();
     let w = |out: &mut std::io::StdoutLock<'_>| -> std::io::Result<()> {
+        if let Some(w) = &r.live_writers {
+            writeln!(out, "live store, being written by {w}: a snapshot")?;
+        }
         writeln!(
             out,
             "{:<6} {:<8} {:>8} {:>12} {:>7}  path",

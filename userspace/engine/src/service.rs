@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use kvstack_model::Model;
 use kvstack_model::init::random_model;
+use kvstack_model::weights::TensorFile;
 use kvstack_spec::ModelConfig;
 use kvstack_tiers::{Clock, StoreLocation, StoreOptions, SystemClock, TierOptions, Tiers};
 use serde::Serialize;
@@ -135,12 +136,13 @@ impl Service {
             });
         }
         let t0 = Instant::now();
-        let (config, model, weights_id) = load_model(&opts.model)?;
-        let load_time = t0.elapsed();
+        let (config, opened) = Opened::open(&opts.model)?;
+        // The tiers open before the model is built: a data directory in use by another
+        // process is refused at once, not after minutes of loading.
         let tiers = match opts.tiers {
             Some(mut t) => {
                 if t.weights_id.is_empty() {
-                    t.weights_id = weights_id;
+                    t.weights_id = opened.weights_id();
                 }
                 Some(Tiers::open(
                     &config,
@@ -151,6 +153,8 @@ impl Service {
             }
             None => None,
         };
+        let model = opened.build(&config)?;
+        let load_time = t0.elapsed();
         let units_at_start = tiers.as_ref().map_or(0, |t| t.store().stats().units);
         let recovery_seconds = tiers.as_ref().map_or(0.0, |t| t.store().recovery().seconds);
         let mut engine = Engine::new(&config, model, tiers, opts.engine)?;
@@ -246,26 +250,46 @@ impl Service {
     }
 }
 
-/// The config, the model and the identity of its weights (mixed into every stored key so
-/// that KV of other weights never matches).
-fn load_model(src: &ModelSource) -> Result<(ModelConfig, Model, Vec<u8>)> {
-    match src {
-        ModelSource::BuiltinTiny { seed } => {
-            let cfg = kvstack_spec::builtin::tiny_config()?;
-            let model = random_model(&cfg, *seed)?;
-            // The weights are generated from the seed: KV of other seeds must never match.
-            // (This id is what earlier versions wrote, so their data directories still match.)
-            Ok((
-                cfg,
-                model,
-                format!("builtin kvstack-tiny-v4.1 seed {seed}").into_bytes(),
-            ))
+/// A model source whose files are open: the config read, the weights memory-mapped (not yet
+/// decoded).
+enum Opened {
+    /// The built-in tiny model, generated from `seed`.
+    Builtin(u64),
+    /// A checkpoint's weights file.
+    Checkpoint(TensorFile),
+}
+
+impl Opened {
+    /// Opens `src`'s files and reads its config.
+    fn open(src: &ModelSource) -> Result<(ModelConfig, Opened)> {
+        match src {
+            ModelSource::BuiltinTiny { seed } => Ok((
+                kvstack_spec::builtin::tiny_config()?,
+                Opened::Builtin(*seed),
+            )),
+            ModelSource::Checkpoint { config, weights } => Ok((
+                ModelConfig::from_file(config)?,
+                Opened::Checkpoint(TensorFile::open(weights)?),
+            )),
         }
-        ModelSource::Checkpoint { config, weights } => {
-            let cfg = ModelConfig::from_file(config)?;
-            let file = kvstack_model::weights::TensorFile::open(weights)?;
-            let model = Model::load(&cfg, &file)?;
-            Ok((cfg, model, file.content_id()))
+    }
+
+    /// The identity of the weights, mixed into every stored key so that KV computed with
+    /// other weights never matches.
+    fn weights_id(&self) -> Vec<u8> {
+        match self {
+            // Generated from the seed: KV of other seeds must never match. (This id is what
+            // earlier versions wrote, so their data directories still match.)
+            Opened::Builtin(seed) => format!("builtin kvstack-tiny-v4.1 seed {seed}").into_bytes(),
+            Opened::Checkpoint(file) => file.content_id(),
+        }
+    }
+
+    /// The model: generated, or decoded from the weights file.
+    fn build(&self, config: &ModelConfig) -> Result<Model> {
+        match self {
+            Opened::Builtin(seed) => Ok(random_model(config, *seed)?),
+            Opened::Checkpoint(file) => Ok(Model::load(config, file)?),
         }
     }
 }

@@ -34,6 +34,22 @@ pub enum Error {
         reason: String,
     },
 
+    /// Another process holds the data location (a second writer would lose the first one's
+    /// acknowledged units; a writer cannot start while a reader holds it either).
+    #[error("{what} {} is in use by {holders}", path.display())]
+    InUse {
+        /// `data directory` or `store device`.
+        what: &'static str,
+        /// The location.
+        path: PathBuf,
+        /// Who holds it: `pid P (command, for N s)`, from `/proc/locks` and the owner file.
+        holders: String,
+    },
+
+    /// The data location could not be opened or locked.
+    #[error("cannot lock the store location")]
+    Lock(#[source] kvstack_driver::Error),
+
     /// The store was opened read-only.
     #[error("the store is open read-only")]
     ReadOnly,

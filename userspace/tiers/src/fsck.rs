@@ -44,6 +44,10 @@ pub struct FsckReport {
     pub bytes_read: u64,
     /// Wall time, seconds.
     pub seconds: f64,
+    /// Set when the store was read while another process writes it (a read-only open that
+    /// found the location's write lock held): who writes it. Such a read is a snapshot of a
+    /// moving store: units written meanwhile may be missing or end in torn tails.
+    pub live_writers: Option<String>,
 }
 
 impl FsckReport {
@@ -115,6 +119,10 @@ pub struct InspectReport {
     pub segments: Vec<SegmentSummary>,
     /// Every valid record (when asked for).
     pub records: Vec<RecordSummary>,
+    /// Set when the store was read while another process writes it (a read-only open that
+    /// found the location's write lock held): who writes it. Such a read is a snapshot of a
+    /// moving store: units written meanwhile may be missing or end in torn tails.
+    pub live_writers: Option<String>,
 }
 
 fn read_only(opts: &StoreOptions) -> StoreOptions {
@@ -144,6 +152,7 @@ pub fn fsck(opts: &StoreOptions) -> Result<FsckReport> {
         invalid_segments: Vec::new(),
         bytes_read: 0,
         seconds: scan.seconds,
+        live_writers: scan.space.live_description(),
     };
     // key -> (depth, parent) of every valid block; commits with their location.
     let mut blocks: HashMap<Key, (u32, Key)> = HashMap::new();
@@ -229,6 +238,7 @@ pub fn inspect(opts: &StoreOptions, records: bool) -> Result<InspectReport> {
         location: opts.location.clone(),
         segments: Vec::new(),
         records: Vec::new(),
+        live_writers: scan.space.live_description(),
     };
     for s in &scan.scans {
         if s.header.is_none() && s.header_error.is_none() {

@@ -16,6 +16,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use kvstack_driver::blockio::{OpenMode, file_size, open_file, preallocate};
+use kvstack_driver::lock::{Holder, LocationLock, LockMode, LockOutcome, try_lock};
 use kvstack_driver::pinned::{HugePages, Locking, PinnedOptions, PinnedRegion};
 use kvstack_firmware_interface::record::{ALIGN, SEGMENT_HEADER_PAGE};
 use serde::Serialize;
@@ -92,6 +93,12 @@ pub(crate) struct Space {
     pub read_only: bool,
     device: Option<Arc<File>>,
     used: BTreeSet<u64>,
+    /// The lock that makes this process the location's writer (or one of its readers); held
+    /// as long as the space is.
+    _lock: Option<LocationLock>,
+    /// Read-only access while another process writes: the writers that hold the location
+    /// (their segments may change under the scan).
+    pub live_writers: Option<Vec<Holder>>,
 }
 
 fn segment_name(id: u64) -> String {
@@ -135,6 +142,14 @@ impl Space {
                 }
                 (capacity / segment_bytes, None)
             }
+            StoreLocation::Device(_) => (0, None),
+        };
+        // The location is locked before anything in it is read or changed: a writer must be
+        // alone (two writers would reuse each other's segment names and lose acknowledged
+        // units); a reader shares the lock with other readers, or reads a live store.
+        let (lock, live_writers) = lock_location(location, read_only)?;
+        let (slots, device) = match location {
+            StoreLocation::Directory(_) => (slots, device),
             StoreLocation::Device(path) => {
                 let f = open_file(
                     path,
@@ -167,7 +182,14 @@ impl Space {
             read_only,
             device,
             used: BTreeSet::new(),
+            _lock: lock,
+            live_writers,
         })
+    }
+
+    /// The writers of a live read ([`Space::live_writers`]), described.
+    pub fn live_description(&self) -> Option<String> {
+        self.live_writers.as_deref().map(describe_holders)
     }
 
     /// Every slot that may hold a segment: directory files named like segments, or every
@@ -186,15 +208,25 @@ impl Space {
                         continue;
                     };
                     let path = entry.path();
-                    let f = open_file(
+                    let f = match open_file(
                         &path,
                         OpenMode {
                             write: !self.read_only,
                             create: false,
                             direct: self.direct,
                         },
-                    )
-                    .map_err(|e| Error::io("cannot open segment", &path, e))?;
+                    ) {
+                        Ok(f) => f,
+                        // A live store's writer deletes segments it reclaimed: one listed a
+                        // moment ago may be gone, which is not damage.
+                        Err(e)
+                            if self.live_writers.is_some()
+                                && e.kind() == std::io::ErrorKind::NotFound =>
+                        {
+                            continue;
+                        }
+                        Err(e) => return Err(Error::io("cannot open segment", &path, e)),
+                    };
                     let bytes =
                         file_size(&f).map_err(|e| Error::io("cannot size segment", &path, e))?;
                     out.push(ExistingSlot {
@@ -338,6 +370,53 @@ impl Space {
         }
         Ok(())
     }
+}
+
+/// Takes the location's lock: exclusive for a writer (refused with [`Error::InUse`] while
+/// any other process holds it), shared for a reader (while another process writes, the reader
+/// goes on without a lock and gets the writers back, to say that it reads a live store).
+fn lock_location(
+    location: &StoreLocation,
+    read_only: bool,
+) -> Result<(Option<LocationLock>, Option<Vec<Holder>>)> {
+    let path = location.path();
+    let mode = if read_only {
+        LockMode::Shared
+    } else {
+        LockMode::Exclusive
+    };
+    match try_lock(path, mode).map_err(Error::Lock)? {
+        LockOutcome::Locked(l) => Ok((Some(l), None)),
+        LockOutcome::Busy(holders) if read_only => {
+            log::warn!(
+                "{} is being written by {}: reading it live (units written meanwhile may be \
+                 missing or show as torn tails)",
+                path.display(),
+                describe_holders(&holders)
+            );
+            Ok((None, Some(holders)))
+        }
+        LockOutcome::Busy(holders) => Err(Error::InUse {
+            what: match location {
+                StoreLocation::Directory(_) => "data directory",
+                StoreLocation::Device(_) => "store device",
+            },
+            path: path.to_path_buf(),
+            holders: describe_holders(&holders),
+        }),
+    }
+}
+
+/// "pid P (command, for N s)", joined; "another process" when the holders are unknown.
+pub(crate) fn describe_holders(holders: &[Holder]) -> String {
+    if holders.is_empty() {
+        return "another process".into();
+    }
+    holders
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 #[cfg(test)]

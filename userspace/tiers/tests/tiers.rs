@@ -15,7 +15,8 @@ use kvstack_firmware_interface::record::ALIGN;
 use kvstack_tiers::Error;
 use kvstack_tiers::fsck::fsck;
 use kvstack_tiers::{
-    Clock, HOUR_MS, ManualClock, ReadOutcome, StoreHooks, StoreLocation, SystemClock, Tenant,
+    Clock, HOUR_MS, ManualClock, ReadOutcome, SsdStore, StoreHooks, StoreLocation, StoreOptions,
+    SystemClock, Tenant,
 };
 use tiers_common::*;
 
@@ -734,4 +735,42 @@ fn touch_bursts_at_capacity_never_publish_into_reclaimed_segments() {
     for tok in &written {
         assert_eq!(read_and_check(&store, &t, tok).0, tok.len() as u64);
     }
+}
+
+#[test]
+fn one_writer_per_location_and_readers_share_or_read_live() {
+    let dir = TempDir::new("lock");
+    let rw = || small_opts(dir.path());
+    let ro = || StoreOptions {
+        read_only: true,
+        ..small_opts(dir.path())
+    };
+    let me = format!("pid {}", std::process::id());
+    let writer = SsdStore::open(rw(), clock()).unwrap();
+    // A second writer (even in this process: flock belongs to the open file) is refused.
+    match SsdStore::open(rw(), clock()) {
+        Err(Error::InUse { what, holders, .. }) => {
+            assert_eq!(what, "data directory");
+            assert!(holders.starts_with(&me), "{holders}");
+        }
+        other => panic!("a second writer must be refused: {other:?}"),
+    }
+    // A reader goes on, and the report says the store is live.
+    let live = SsdStore::open(ro(), clock()).unwrap();
+    let w = live.recovery().live_writers.clone().unwrap();
+    assert!(w.starts_with(&me), "{w}");
+    let report = fsck(&ro()).unwrap();
+    assert!(report.live_writers.is_some());
+    drop(live);
+    writer.close().unwrap();
+    // With the writer gone, readers share the lock, see a quiet store, and keep writers out.
+    let a = SsdStore::open(ro(), clock()).unwrap();
+    let b = SsdStore::open(ro(), clock()).unwrap();
+    assert!(a.recovery().live_writers.is_none());
+    match SsdStore::open(rw(), clock()) {
+        Err(e @ Error::InUse { .. }) => assert!(e.to_string().contains("reading"), "{e}"),
+        other => panic!("a writer must wait for readers: {other:?}"),
+    }
+    drop((a, b));
+    SsdStore::open(rw(), clock()).unwrap().close().unwrap();
 }

@@ -132,7 +132,10 @@ impl SsdStore {
             choice,
             ..
         } = scan_location(&opts)?;
-        let mut report = RecoveryReport::default();
+        let mut report = RecoveryReport {
+            live_writers: space.live_description(),
+            ..RecoveryReport::default()
+        };
         // The store's id: that of the oldest valid segment; segments of other stores are
         // reported and left alone.
         let store_id = scans

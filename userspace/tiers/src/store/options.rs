@@ -161,6 +161,10 @@ pub struct RecoveryReport {
     pub invalid_segments: Vec<String>,
     /// Bytes read.
     pub bytes_read: u64,
+    /// Set when the store was read while another process writes it (a read-only open that
+    /// found the location's write lock held): who writes it. Such a read is a snapshot of a
+    /// moving store: units written meanwhile may be missing or end in torn tails.
+    pub live_writers: Option<String>,
 }
 
 /// Counters and sizes of a store.
