@@ -3,8 +3,8 @@
 use std::io::Write;
 
 use clap::Args;
+use kvstack_bench::codecs::{CodecBenchOptions, CodecBenchReport, run_codec_bench};
 use kvstack_kernels::SimdLevel;
-use kvstack_kernels::bench::{CodecBenchOptions, CodecBenchReport, run_codec_bench};
 use serde_json::json;
 
 use crate::error::CliError;

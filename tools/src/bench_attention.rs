@@ -4,11 +4,9 @@
 use std::io::Write;
 
 use clap::Args;
+use kvstack_bench::attention::{AttentionBenchOptions, AttentionBenchReport, run_attention_bench};
 use kvstack_driver::probe::{CpuIdentity, cpu_identity};
 use kvstack_kernels::SimdLevel;
-use kvstack_kernels::attn::bench::{
-    AttentionBenchOptions, AttentionBenchReport, run_attention_bench,
-};
 use serde_json::json;
 
 use crate::error::CliError;

@@ -71,9 +71,9 @@ pub enum CliError {
     /// `kvstack store fsck` found damage (listed on standard output).
     #[error("{0} damaged ranges or segments found")]
     Damaged(usize),
-    /// An attention kernel failed in a benchmark.
-    #[error("attention kernel failed")]
-    Attention(#[source] kvstack_kernels::attn::AttnError),
+    /// The attention benchmark failed (a kernel refused a call; the cause says which).
+    #[error("attention benchmark failed")]
+    Attention(#[source] kvstack_bench::Error),
     /// A benchmark ran but missed one of its targets.
     #[error("benchmark targets missed: {0}")]
     TargetsMissed(String),

@@ -33,13 +33,6 @@ fn st_i(a: &mut [u8; 32], v: __m256i) {
 
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-fn st_i32x8(a: &mut [i32; 8], v: __m256i) {
-    // SAFETY: `a` is 8 writable i32 (32 bytes) borrowed mutably; any alignment.
-    unsafe { _mm256_storeu_si256(a.as_mut_ptr().cast(), v) }
-}
-
-#[inline]
-#[target_feature(enable = "avx2,fma")]
 fn ld_u32x8(a: &[u32; 8]) -> __m256i {
     // SAFETY: `a` is 8 readable u32 (32 bytes); any alignment.
     unsafe { _mm256_loadu_si256(a.as_ptr().cast()) }
@@ -1096,62 +1089,6 @@ pub(crate) fn attend(prep: &Prep<'_>, rows: &[KvRow<'_>], st: &mut Partial) {
             }
         }
     }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Peak loops for the benchmark: register-resident, no memory traffic.
-
-/// Independent FMA chains per loop iteration: two FMA pipes with a 4-5 cycle latency need at
-/// least 10 chains in flight; 12 fit the register file with the two constant operands.
-const CHAINS: usize = 12;
-
-/// `iters` iterations of 12 independent 8-lane FMAs (`12 * 16` FLOP each). Returns a value
-/// derived from the accumulators so that the work cannot be elided.
-#[target_feature(enable = "avx2,fma")]
-pub(crate) fn fma_peak(iters: u64, seed: f32) -> f32 {
-    let a = _mm256_set1_ps(0.999_999);
-    let b = _mm256_set1_ps(1e-7);
-    let mut acc = [_mm256_set1_ps(seed); CHAINS];
-    for (i, x) in acc.iter_mut().enumerate() {
-        *x = _mm256_add_ps(*x, _mm256_set1_ps(i as f32));
-    }
-    for _ in 0..iters {
-        for x in acc.iter_mut() {
-            *x = _mm256_fmadd_ps(*x, a, b);
-        }
-    }
-    let mut s = _mm256_setzero_ps();
-    for x in acc {
-        s = _mm256_add_ps(s, x);
-    }
-    let mut out = [0f32; 8];
-    st_f(&mut out, s);
-    out.iter().sum()
-}
-
-/// `iters` iterations of 12 independent `vpmaddubsw` + `vpaddw` pairs (32 multiply-adds of
-/// 8-bit integers each), the instruction mix of the indexer's inner loop. Each chain feeds its
-/// own result back as the next unsigned operand, so nothing can be hoisted.
-#[target_feature(enable = "avx2,fma")]
-pub(crate) fn int8_peak(iters: u64, seed: i32) -> i32 {
-    let q = _mm256_set1_epi8(3);
-    let d = _mm256_set1_epi16(1);
-    let mut acc = [_mm256_set1_epi32(seed); CHAINS];
-    for (i, x) in acc.iter_mut().enumerate() {
-        *x = _mm256_add_epi32(*x, _mm256_set1_epi32(i as i32));
-    }
-    for _ in 0..iters {
-        for x in acc.iter_mut() {
-            *x = _mm256_add_epi16(_mm256_maddubs_epi16(*x, q), d);
-        }
-    }
-    let mut s = _mm256_setzero_si256();
-    for x in acc {
-        s = _mm256_add_epi32(s, x);
-    }
-    let mut out = [0i32; 8];
-    st_i32x8(&mut out, s);
-    out.iter().fold(0i32, |a, &b| a.wrapping_add(b))
 }
 
 /// Whether the integer kernel accepts a tile (tests check that realistic keys never fall back

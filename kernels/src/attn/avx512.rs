@@ -675,24 +675,6 @@ pub(crate) fn index_tile16_fused(
     true
 }
 
-/// `iters` iterations of 12 independent `vpdpbusd` chains (64 multiply-adds of 8-bit integers
-/// each): the integer peak of the VNNI indexer kernel, for the benchmark.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-pub(crate) fn int8_peak_vnni(iters: u64, seed: i32) -> i32 {
-    let q = _mm512_set1_epi8(3);
-    let mut acc: [__m512i; 12] = std::array::from_fn(|i| _mm512_set1_epi32(seed + i as i32));
-    for _ in 0..iters {
-        for x in acc.iter_mut() {
-            *x = _mm512_dpbusd_epi32(*x, *x, q);
-        }
-    }
-    let mut s = _mm512_setzero_si512();
-    for x in acc {
-        s = _mm512_add_epi32(s, x);
-    }
-    _mm512_reduce_add_epi32(s)
-}
-
 /// Whether the VNNI kernel accepts a tile (tests check that realistic keys never fall back to
 /// the exact path, so the bit-identity tests exercise the kernel).
 ///

@@ -48,7 +48,6 @@
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
-pub mod bench;
 mod index;
 mod portable;
 pub mod reference;
@@ -64,6 +63,9 @@ pub use index::{
 };
 pub use select::{candidate_blocks, topk, topk_positions};
 pub use sparse::{SparseAttnInput, sparse_attention_decode, sparse_attention_decode_with};
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) use avx512::Vnni;
 
 use crate::SimdLevel;
 
