@@ -23,8 +23,7 @@
 //! and selection are not counted. Every time is the best of the repetitions (the median is
 //! reported too). Threads are the caller plus rayon's pool, for the cases and the limit probes
 //! alike, so a timed call finds the pool's workers awake, as the stages of a decode step leave
-//! them; the first call after the pool has idled pays a wake-up on top (0.1-0.4 ms for a
-//! parked vCPU on the VMs measured).
+//! them; the first call after the pool has idled pays the wake-up of a parked worker on top.
 //!
 //! Limits, per thread count: memory read bandwidth (a vectorized sum over a 256 MiB buffer split
 //! between the threads), the f32 FMA peak (12 independent FMA chains in registers per thread)
@@ -54,6 +53,7 @@ use kvstack_kernels::{
 use zerocopy::{FromBytes, IntoBytes};
 
 use crate::Result;
+use crate::rng::Rng;
 
 /// What to run.
 #[derive(Debug, Clone)]
@@ -165,7 +165,7 @@ pub struct CaseResult {
     pub bound: Bound,
     /// Ideal time under the binding limit over the measured time.
     pub ratio: f64,
-    /// Target ratio, for the rows the issue sets one for.
+    /// Target ratio, for the rows that have one (the indexer scans and the sparse attention).
     pub target: Option<f64>,
 }
 
@@ -201,32 +201,6 @@ impl AttentionBenchReport {
 /// Target ratio of the indexer scan and the sparse attention.
 const TARGET: f64 = 0.5;
 
-/// xorshift64: deterministic synthetic data without dependencies.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-
-    /// Uniform in `[-0.5, 0.5)`.
-    fn uniform(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-    }
-
-    /// Roughly normal with standard deviation about `0.58 * scale`.
-    fn normal(&mut self, scale: f32) -> f32 {
-        (self.uniform() + self.uniform() + self.uniform() + self.uniform()) * scale
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-}
-
 /// `total` entries of `format`: `distinct` random rows quantized by the codecs, repeated.
 fn entries<E: FromBytes + IntoBytes + Clone>(
     format: EntryFormat,
@@ -253,9 +227,9 @@ fn entries<E: FromBytes + IntoBytes + Clone>(
 
 /// Cache entries in memory like the runtime's page pool holds them: an anonymous mapping
 /// advised for transparent huge pages (the driver's `GrowableRegion` does the same), so that a
-/// random entry costs a DRAM access and not also a walk of 4 KiB page tables (on the VMs
-/// measured, a Reindex pool over a 1M-entry cache in 4 KiB pages took about 1.4x longer to
-/// score). Falls back to the heap, with a note, where the mapping or the advice fails.
+/// random entry costs a DRAM access and not also a walk of 4 KiB page tables, which would add
+/// to the gathered scans what the runtime does not pay. Falls back to the heap, with a note,
+/// where the mapping or the advice fails.
 enum CacheMemory<E> {
     Mapped(memmap2::MmapMut, std::marker::PhantomData<E>),
     Heap(Vec<E>),
@@ -299,9 +273,8 @@ impl<E: FromBytes + IntoBytes + zerocopy::Immutable + zerocopy::KnownLayout> Cac
 
 /// Runs `f(i)` on `threads` threads at once: the caller and rayon's pool, the threads the
 /// kernels run on. The probe thus leaves the pool's workers as a decode step leaves them
-/// between its stages (awake), rather than parked while fresh OS threads ran the probe: on a
-/// VM, waking a parked worker on an idle vCPU takes 0.1-0.4 ms, which a single timed call
-/// after an OS-thread probe would otherwise pay every time.
+/// between its stages (awake), rather than parked while fresh OS threads ran the probe, so a
+/// timed call does not pay a worker's wake-up that a decode step would not.
 fn on_threads(threads: usize, f: impl Fn(usize) + Sync) {
     let f = &f;
     kvstack_kernels::par::run_tasks((0..threads.max(1)).map(|i| move || f(i)));

@@ -23,6 +23,8 @@ use kvstack_kernels::peak::Peaks;
 use kvstack_kernels::{EntryFormat, GlobalFp4Entry, IndexMxfp4Entry, SimdLevel, detected_level};
 use zerocopy::FromBytes;
 
+use crate::rng::Rng;
+
 /// What to measure.
 #[derive(Debug, Clone)]
 pub struct CodecBenchOptions {
@@ -202,22 +204,15 @@ fn best_of_pair(reps: usize, mut base: impl FnMut(), mut op: impl FnMut()) -> (f
     (tb, to)
 }
 
-/// Deterministic test data: activations of varying magnitude per row (xorshift, no deps).
+/// Deterministic test data: activations of varying magnitude per row.
 fn activations(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed | 1;
-    let mut next = move || {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        s
-    };
+    // An odd seed: xorshift never leaves zero.
+    let mut rng = Rng(seed | 1);
     (0..n)
         .map(|i| {
-            let r = next();
-            let u = (r >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
             // The magnitude changes every 64 values, so tiles see different scales.
             let mag = 2f32.powi(((i / 64) % 16) as i32 - 8);
-            u * mag
+            rng.uniform() * mag
         })
         .collect()
 }

@@ -14,5 +14,6 @@
 pub mod attention;
 pub mod codecs;
 mod error;
+mod rng;
 
 pub use error::{Error, Result};
