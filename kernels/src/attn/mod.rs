@@ -44,16 +44,10 @@
 //! bits do not depend on the thread count); threads beyond that split a group's entries and
 //! merge their partial softmax states at the end.
 
-#[cfg(target_arch = "x86_64")]
-mod avx2;
-#[cfg(target_arch = "x86_64")]
-mod avx512;
 mod index;
-mod portable;
 pub mod reference;
 mod select;
 mod sparse;
-mod tile;
 
 use std::fmt;
 use std::ops::Range;
@@ -63,9 +57,6 @@ pub use index::{
 };
 pub use select::{candidate_blocks, topk, topk_positions};
 pub use sparse::{SparseAttnInput, sparse_attention_decode, sparse_attention_decode_with};
-
-#[cfg(target_arch = "x86_64")]
-pub(crate) use avx512::Vnni;
 
 use crate::SimdLevel;
 

@@ -91,7 +91,7 @@ impl Peaks {
         let int8 = match level.level() {
             SimdLevel::Portable => None,
             SimdLevel::Avx2 | SimdLevel::Avx512 => {
-                Some(if crate::attn::Vnni::detect(level).is_some() {
+                Some(if crate::level::Vnni::detect(level).is_some() {
                     Int8Kernel::Vpdpbusd
                 } else {
                     Int8Kernel::Vpmaddubsw
@@ -162,7 +162,7 @@ impl Peaks {
     pub fn int8(&self, iters: u64, seed: i32) -> Option<i32> {
         match self.int8? {
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: `Vpdpbusd` is chosen only when `crate::attn::Vnni::detect` found the
+            // SAFETY: `Vpdpbusd` is chosen only when `crate::level::Vnni::detect` found the
             // AVX-512 level verified and AVX-512 VNNI on this CPU.
             Int8Kernel::Vpdpbusd => Some(unsafe { avx512::int8_peak_vnni(iters, seed) }),
             #[cfg(target_arch = "x86_64")]

@@ -26,14 +26,14 @@ use crate::scalar::{ABS_MASK, E4M3_SUB_BIAS, INF_BITS, QNAN_BITS};
 
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-fn ld_ps(a: &[f32; 8]) -> __m256 {
+pub(crate) fn ld_ps(a: &[f32; 8]) -> __m256 {
     // SAFETY: `a` is 8 initialized f32 (32 readable bytes); `loadu` accepts any alignment.
     unsafe { _mm256_loadu_ps(a.as_ptr()) }
 }
 
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-fn st_ps(a: &mut [f32; 8], v: __m256) {
+pub(crate) fn st_ps(a: &mut [f32; 8], v: __m256) {
     // SAFETY: `a` is 8 writable f32 (32 bytes) borrowed mutably; `storeu` accepts any alignment.
     unsafe { _mm256_storeu_ps(a.as_mut_ptr(), v) }
 }
@@ -54,7 +54,7 @@ fn ld_const(a: &[i8; 32]) -> __m256i {
 
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-fn st_si256(a: &mut [u8; 32], v: __m256i) {
+pub(crate) fn st_si256(a: &mut [u8; 32], v: __m256i) {
     // SAFETY: `a` is 32 writable bytes borrowed mutably; `storeu` accepts any alignment.
     unsafe { _mm256_storeu_si256(a.as_mut_ptr().cast(), v) }
 }

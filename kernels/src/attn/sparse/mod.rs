@@ -3,6 +3,13 @@
 
 use kvstack_firmware_interface::{GlobalFp4Entry, WindowFp8Entry};
 
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+mod portable;
+mod tile;
+
 use super::{AttnError, HEAD_DIM, Paged, thread_count, verified};
 use crate::SimdLevel;
 use crate::level::Verified;
@@ -48,7 +55,7 @@ impl KvRow<'_> {
 pub(crate) struct Partial {
     pub(crate) m: Vec<f32>,
     pub(crate) l: Vec<f32>,
-    pub(crate) o: Vec<super::tile::V8>,
+    pub(crate) o: Vec<tile::V8>,
 }
 
 impl Partial {
@@ -56,7 +63,7 @@ impl Partial {
         Partial {
             m: vec![f32::NEG_INFINITY; hp],
             l: vec![0.0; hp],
-            o: super::tile::zeroed(hp * HEAD_DIM),
+            o: tile::zeroed(hp * HEAD_DIM),
         }
     }
 }
@@ -249,14 +256,14 @@ fn attend_group(
 pub(crate) struct Prep<'a> {
     pub(crate) q: &'a [[f32; HEAD_DIM]],
     pub(crate) hp: usize,
-    pub(crate) qt: Vec<super::tile::V8>,
+    pub(crate) qt: Vec<tile::V8>,
 }
 
 impl<'a> Prep<'a> {
     fn new(level: Verified, q: &'a [[f32; HEAD_DIM]]) -> Self {
         let hp = q.len().next_multiple_of(16);
         let qt = match level.level() {
-            SimdLevel::Avx2 | SimdLevel::Avx512 => super::tile::transpose_q(q, hp),
+            SimdLevel::Avx2 | SimdLevel::Avx512 => tile::transpose_q(q, hp),
             _ => Vec::new(),
         };
         Prep { q, hp, qt }
@@ -269,12 +276,12 @@ fn attend(level: Verified, prep: &Prep<'_>, rows: &[KvRow<'_>]) -> Partial {
     match level.level() {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `level` is `Verified` as AVX2, so this CPU has AVX2 and FMA.
-        SimdLevel::Avx2 => unsafe { super::avx2::attend(prep, rows, &mut st) },
+        SimdLevel::Avx2 => unsafe { avx2::attend(prep, rows, &mut st) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `level` is `Verified` as AVX-512, so this CPU has AVX-512 F/BW/VL, AVX2 and
         // FMA.
-        SimdLevel::Avx512 => unsafe { super::avx512::attend(prep, rows, &mut st) },
-        _ => super::portable::attend(prep.q, rows, &mut st),
+        SimdLevel::Avx512 => unsafe { avx512::attend(prep, rows, &mut st) },
+        _ => portable::attend(prep.q, rows, &mut st),
     }
     st
 }
@@ -303,7 +310,7 @@ fn merge(parts: &[Partial], sinks: Option<&[f32]>, out: &mut [[f32; HEAD_DIM]]) 
             }
             let a = (mt - m).exp();
             den += a * lt;
-            let o = super::tile::flat(&p.o)
+            let o = tile::flat(&p.o)
                 .get(h * HEAD_DIM..(h + 1) * HEAD_DIM)
                 .unwrap_or_default();
             for (r, &v) in row.iter_mut().zip(o) {
