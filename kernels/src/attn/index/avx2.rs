@@ -163,7 +163,7 @@ fn index_tile8(p: &Prepared, keys: &[&IndexMxfp4Entry; 8], out: &mut [f32; 8]) -
         );
     }
 
-    let lut = ld_si256(&KEY_LUT);
+    let lut = ld_si256(zerocopy::transmute_ref!(&KEY_LUT));
     let nib = _mm256_set1_epi8(0x0F);
     let zero = _mm256_setzero_ps();
     // Decoded keys, all eight first (so that no broadcast below waits on a recent store):
@@ -240,7 +240,9 @@ impl<'a, const N: usize> Carry<'a, N> {
     fn flush(&mut self, q: &IndexQuery, out: &mut [f32]) {
         let n = self.n;
         self.n = 0;
+        // Slots fill in order, so the first holds a key unless the carry is empty.
         let Some(first) = self.keys[0].1 else {
+            debug_assert_eq!(n, 0, "a held key in a later slot only");
             return;
         };
         // A loop rather than `self.keys.map(..)`, which rustc left out of line.
@@ -349,6 +351,20 @@ const _: () = assert!(GATHER_STEP == KEY_LANES);
 const GATHER_FAR: usize = 3;
 /// Resolved batches a gathered scan holds: the one scored and those up to [`GATHER_FAR`].
 const GATHER_RING: usize = GATHER_FAR + 1;
+/// Tiles of a batch, one per prefetch step.
+const STEPS: usize = GATHER_BATCH / GATHER_STEP;
+
+/// The index of a tile in a batch, below [`STEPS`]: made only by [`Step::all`], so every
+/// batch has the tile of every `Step`.
+#[derive(Clone, Copy, Debug)]
+struct Step(usize);
+
+impl Step {
+    /// Every step of a batch, in order.
+    fn all() -> impl Iterator<Item = Step> {
+        (0..STEPS).map(Step)
+    }
+}
 
 /// Bits `d..d + n` of a batch's validity mask (`d + n <= GATHER_BATCH`).
 #[inline]
@@ -357,10 +373,11 @@ fn run_mask(d: usize, n: usize) -> u64 {
     ones.unwrap_or(0).checked_shl(d as u32).unwrap_or(0)
 }
 
-/// A batch of a gathered scan: `refs[i]` is the key of the batch's `i`-th position where bit
-/// `i` of `valid` is set; other slots hold a stand-in key, scored but never written out.
+/// A batch of a gathered scan, in tiles of [`GATHER_STEP`]: `refs[t][j]` is the key of the
+/// batch's position `i = GATHER_STEP * t + j` where bit `i` of `valid` is set; other slots hold
+/// a stand-in key, scored but never written out.
 struct Batch<'a> {
-    refs: [&'a IndexMxfp4Entry; GATHER_BATCH],
+    refs: [[&'a IndexMxfp4Entry; GATHER_STEP]; STEPS],
     valid: u64,
 }
 
@@ -368,7 +385,7 @@ impl<'a> Batch<'a> {
     /// A batch with no valid position.
     fn empty(stand_in: &'a IndexMxfp4Entry) -> Self {
         Batch {
-            refs: [stand_in; GATHER_BATCH],
+            refs: [[stand_in; GATHER_STEP]; STEPS],
             valid: 0,
         }
     }
@@ -393,7 +410,7 @@ impl<'a> Batch<'a> {
             // A whole pool block in one page: its 8 references at once, with no run lookup
             // (1.06-1.09x faster scans of a pool than the general path below, measured).
             if let Some(block) = Self::block(keys, visible, positions.get(i..i + 8))
-                && let Some(slots) = b.refs.get_mut(i..i + 8)
+                && let Some(slots) = b.refs.as_flattened_mut().get_mut(i..i + 8)
             {
                 slots.copy_from_slice(&block.each_ref());
                 b.valid |= run_mask(i, 8);
@@ -417,7 +434,7 @@ impl<'a> Batch<'a> {
             for (s, run) in keys.runs(start..start + len) {
                 let d = i + s - start;
                 let mut n = 0;
-                for (r, k) in b.refs.iter_mut().skip(d).zip(run) {
+                for (r, k) in b.refs.as_flattened_mut().iter_mut().skip(d).zip(run) {
                     *r = k;
                     n += 1;
                 }
@@ -449,14 +466,18 @@ impl<'a> Batch<'a> {
         keys.array::<8>(start)
     }
 
+    /// The keys of tile `step`.
+    #[inline]
+    fn tile(&self, step: Step) -> &[&'a IndexMxfp4Entry; GATHER_STEP] {
+        &self.refs[step.0]
+    }
+
     /// Prefetches into L1 the first line of each 8-key block (a pool block, spec §4) of tile
     /// `step`, and of its last key where the block crosses into another 4 KiB page.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    fn prefetch_blocks(&self, step: usize) {
-        let Some(tile) = self.refs.as_chunks::<GATHER_STEP>().0.get(step) else {
-            return;
-        };
+    fn prefetch_blocks(&self, step: Step) {
+        let tile = self.tile(step);
         for block in tile.as_chunks::<8>().0 {
             let first = std::ptr::from_ref(block[0]).cast::<i8>();
             let last = std::ptr::from_ref(block[7]).cast::<i8>();
@@ -476,10 +497,8 @@ impl<'a> Batch<'a> {
     /// too: branching on validity cost more than it saved.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    fn prefetch_step(&self, step: usize) {
-        let Some(tile) = self.refs.as_chunks::<GATHER_STEP>().0.get(step) else {
-            return;
-        };
+    fn prefetch_step(&self, step: Step) {
+        let tile = self.tile(step);
         for &k in tile {
             let p = std::ptr::from_ref(k).cast::<i8>();
             // A prefetch never faults and has no effect visible to Rust; both addresses lie
@@ -500,15 +519,13 @@ impl<'a> Batch<'a> {
     /// and the line of its last byte unless the previous key ended in it, entries up to
     /// [`SPREAD_LINES`] padded with the last line.
     #[inline]
-    fn tile_lines(&self, step: usize, lines: &mut TileLines) -> usize {
+    fn tile_lines(&self, step: Step, lines: &mut TileLines) -> usize {
         const HALF: usize = GATHER_STEP / 2;
         /// Lines per half in the pool case: a run of 8 keys spans at most 10 lines.
         const PER: usize = SPREAD_LINES / 2;
         const _: () = assert!((63 + HALF * IndexMxfp4Entry::BYTES).div_ceil(64) <= PER);
         let line_of = |a: *const i8| a.wrapping_sub(a.addr() % 64);
-        let Some(tile) = self.refs.as_chunks::<GATHER_STEP>().0.get(step) else {
-            return 0;
-        };
+        let tile = self.tile(step);
         // Each half's first byte and last byte.
         let bounds = |half: &[&IndexMxfp4Entry; HALF]| {
             let first = std::ptr::from_ref(half[0]).cast::<i8>();
@@ -590,7 +607,10 @@ pub(crate) fn score_positions<'k>(
     vnni: Option<Vnni>,
     out: &mut [f32],
 ) {
+    // `super::gather` returns an error for any other length.
+    debug_assert_eq!(out.len(), positions.len(), "one score per position");
     let visible = visible.min(keys.len());
+    // No visible key: every position is invalid, and `out` stays as the caller filled it.
     let Some(stand_in) = keys.get(0).filter(|_| visible > 0) else {
         return;
     };
@@ -609,7 +629,7 @@ pub(crate) fn score_positions<'k>(
     for b in 0..GATHER_FAR.min(n_batches) {
         let batch = &mut ring[b % GATHER_RING];
         resolve(batch, b);
-        for step in 0..GATHER_BATCH / GATHER_STEP {
+        for step in Step::all() {
             batch.prefetch_blocks(step);
             if b == 0 {
                 batch.prefetch_step(step);
@@ -632,14 +652,10 @@ pub(crate) fn score_positions<'k>(
         let score = |dst: &mut [f32]| {
             // Filled per tile by `tile_lines`; kept across tiles, not rebuilt.
             let mut lines: TileLines = [std::ptr::null(); TILE_LINES];
-            let steps = cur
-                .refs
-                .as_chunks::<GATHER_STEP>()
-                .0
-                .iter()
-                .zip(dst.as_chunks_mut::<GATHER_STEP>().0)
-                .enumerate();
-            for (step, (t, st)) in steps {
+            let steps = Step::all()
+                .zip(&cur.refs)
+                .zip(dst.as_chunks_mut::<GATHER_STEP>().0);
+            for ((step, t), st) in steps {
                 if let Some(f) = far {
                     f.prefetch_blocks(step);
                 }
@@ -800,8 +816,9 @@ mod tests {
         let (mut run_tiles, mut spans) = (0, std::collections::BTreeSet::new());
         for (which, positions) in [first, second].iter().enumerate() {
             batch.resolve(keys, keys.len(), positions, stand_in);
-            for (step, tile) in batch.refs.as_chunks::<GATHER_STEP>().0.iter().enumerate() {
-                let at = format!("batch {which} tile {step}");
+            for step in Step::all() {
+                let tile = batch.tile(step);
+                let at = format!("batch {which} tile {}", step.0);
                 let mut want: Vec<usize> = Vec::new();
                 for k in tile {
                     for line in key_lines(k) {

@@ -136,11 +136,8 @@ pub(crate) fn index_tile16(
 
     // Decoded keys: kb[b][g] = group g of block b of all sixteen keys.
     let packed = transpose16(load_keys(keys));
-    // The table in every 128-bit lane (its 32 bytes are two copies of the 16-entry table).
-    let lut = match KEY_LUT.first_chunk::<16>() {
-        Some(t) => _mm512_broadcast_i32x4(ld_si128(t)),
-        None => _mm512_setzero_si512(),
-    };
+    // The table in every 128-bit lane.
+    let lut = _mm512_broadcast_i32x4(ld_si128(&KEY_LUT[0]));
     let nib = _mm512_set1_epi8(0x0F);
     let mut kb = [[_mm512_setzero_si512(); 8]; 4];
     for (dw, v) in packed.iter().enumerate() {

@@ -6,18 +6,19 @@ use kvstack_firmware_interface::element::E2M1_TIMES_TWO_I8;
 
 use crate::attn::INDEX_HEADS;
 
-/// `2 * e2m1(code) + 12` (0..=24, as unsigned bytes) by 4-bit code, both 128-bit lanes: keys
-/// become the unsigned operand of `vpmaddubsw`; the `+ 12` is removed with [`super::Prepared::offsq`].
-const fn key_lut() -> [u8; 32] {
-    let mut t = [0u8; 32];
+/// `2 * e2m1(code) + 12` (0..=24, as unsigned bytes) by 4-bit code, once per 128-bit lane of
+/// a 256-bit vector: keys become the unsigned operand of `vpmaddubsw` (`vpdpbusd`); the `+ 12`
+/// is removed with [`super::Prepared::offsq`] (`koff`).
+const fn key_lut() -> [[u8; 16]; 2] {
+    let mut t = [[0u8; 16]; 2];
     let mut i = 0;
     while i < 32 {
-        t[i] = (E2M1_TIMES_TWO_I8[i % 16] + 12) as u8;
+        t[i / 16][i % 16] = (E2M1_TIMES_TWO_I8[i % 16] + 12) as u8;
         i += 1;
     }
     t
 }
-pub(crate) static KEY_LUT: [u8; 32] = key_lut();
+pub(crate) static KEY_LUT: [[u8; 16]; 2] = key_lut();
 
 /// Keys per tile of [`super::avx512::index_tile16`]: one per 32-bit lane.
 pub(crate) const KEY_LANES: usize = 16;

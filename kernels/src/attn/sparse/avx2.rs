@@ -75,10 +75,12 @@ fn dequantize_row(row: &KvRow<'_>, out: &mut Row512) {
 /// Logits of 6 entries x 16 heads over channels `d0..d0 + dc`: `s[j][h0..h0+16] (+)=
 /// sum_d kt[j0 + j][d] * qt[d][h0..h0+16]`. Twelve accumulators, two query vectors and one
 /// broadcast key value live in the 16 registers; per channel 2 vector loads and 6 broadcasts
-/// feed 12 FMAs.
+/// feed 12 FMAs. `false` (nothing computed) if the slices are too short for the block, a bug
+/// [`attend`] reports.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::too_many_arguments)]
+#[must_use]
 fn qk_6x16(
     kt: &[Row512],
     j0: usize,
@@ -89,7 +91,7 @@ fn qk_6x16(
     dc: usize,
     accumulate: bool,
     s: &mut [f32],
-) {
+) -> bool {
     let ok = j0 + 6 <= kt.len()
         && d0 + dc <= HEAD_DIM
         && h0 + 16 <= hp
@@ -97,7 +99,7 @@ fn qk_6x16(
         && s.len() >= (j0 + 6) * hp;
     debug_assert!(ok, "qk_6x16 bounds");
     if !ok {
-        return;
+        return false;
     }
     let mut acc = [[_mm256_setzero_ps(); 2]; 6];
     // SAFETY: checked above: rows j0..j0+6 exist (Row512 is exactly 512 f32 without padding,
@@ -130,13 +132,16 @@ fn qk_6x16(
             _mm256_storeu_ps(srow.add(j * hp + 8), a[1]);
         }
     }
+    true
 }
 
 /// `o[h][d0..d0+16] = alpha[h] * o[h][..] + sum_j p[j][h] * kt[j][d0..d0+16]` for heads
 /// `h0..h0 + MR` (MR <= 6): 2 MR accumulators, two value vectors and one broadcast weight.
+/// `false` (nothing computed) if the slices are too short for the block.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::too_many_arguments)]
+#[must_use]
 fn pv_kernel<const MR: usize>(
     kt: &[Row512],
     n: usize,
@@ -146,7 +151,7 @@ fn pv_kernel<const MR: usize>(
     d0: usize,
     alpha: &[f32],
     o: &mut [f32],
-) {
+) -> bool {
     let ok = n <= kt.len()
         && h0 + MR <= hp
         && d0 + 16 <= HEAD_DIM
@@ -155,7 +160,7 @@ fn pv_kernel<const MR: usize>(
         && o.len() >= hp * HEAD_DIM;
     debug_assert!(ok, "pv_kernel bounds");
     if !ok {
-        return;
+        return false;
     }
     let mut acc = [[_mm256_setzero_ps(); 2]; MR];
     // SAFETY: checked above: heads h0..h0+MR are rows of o (hp x 512) and entries of alpha;
@@ -185,13 +190,17 @@ fn pv_kernel<const MR: usize>(
             _mm256_storeu_ps(orow.add(i * HEAD_DIM + 8), a[1]);
         }
     }
+    true
 }
 
 /// Online softmax step for one tile of `n` logit rows (`s`, `n x hp`, overwritten with the
 /// weights `p = e^(s * 512^-0.5 - m_new)`): new running maxima, rescale factors
-/// `alpha = e^(m_old - m_new)` (0 for the empty initial state) and denominators.
+/// `alpha = e^(m_old - m_new)` (0 for the empty initial state) and denominators. `false` if
+/// `m`, `l` or `alpha` has fewer than `hp` values or `hp` is not a multiple of 8 (then heads
+/// from the first short group on are left as they were).
 #[inline]
 #[target_feature(enable = "avx2,fma")]
+#[must_use]
 fn softmax_tile(
     s: &mut [f32],
     n: usize,
@@ -199,7 +208,11 @@ fn softmax_tile(
     m: &mut [f32],
     l: &mut [f32],
     alpha: &mut [f32],
-) {
+) -> bool {
+    debug_assert!(
+        m.len() >= hp && l.len() >= hp && alpha.len() >= hp && hp.is_multiple_of(8),
+        "softmax_tile bounds"
+    );
     let c = _mm256_set1_ps(LOGIT_SCALE);
     for hv in (0..hp).step_by(8) {
         let (Some(mv), Some(lv), Some(av)) = (
@@ -207,14 +220,14 @@ fn softmax_tile(
             l.get_mut(hv..hv + 8),
             alpha.get_mut(hv..hv + 8),
         ) else {
-            return;
+            return false;
         };
         let (Ok(mv), Ok(lv), Ok(av)) = (
             <&mut [f32; 8]>::try_from(mv),
             <&mut [f32; 8]>::try_from(lv),
             <&mut [f32; 8]>::try_from(av),
         ) else {
-            return;
+            return false;
         };
         let mut mt = _mm256_set1_ps(f32::NEG_INFINITY);
         for j in 0..n {
@@ -243,6 +256,7 @@ fn softmax_tile(
         st_ps(mv, mn);
         st_ps(av, a);
     }
+    true
 }
 
 /// Prefetches every cache line of an entry (into all levels).
@@ -258,9 +272,10 @@ fn prefetch_row(row: &KvRow<'_>) {
 }
 
 /// Attends `rows` into `st`, tile by tile: dequantize (once for all heads), logits, online
-/// softmax, `P . V`.
+/// softmax, `P . V`. `false` if a micro-kernel found its slices too short: `prep` and `st`
+/// were not made for the same heads (a bug; `st` is then not meaningful).
 #[target_feature(enable = "avx2,fma")]
-pub(crate) fn attend(prep: &Prep<'_>, rows: &[KvRow<'_>], st: &mut Partial) {
+pub(crate) fn attend(prep: &Prep<'_>, rows: &[KvRow<'_>], st: &mut Partial) -> bool {
     let hp = prep.hp;
     let qt = flat(&prep.qt);
     let mut kt = vec![Row512([0.0; HEAD_DIM]); TILE];
@@ -268,6 +283,7 @@ pub(crate) fn attend(prep: &Prep<'_>, rows: &[KvRow<'_>], st: &mut Partial) {
     let s = flat_mut(&mut sv);
     let mut alpha = vec![0f32; hp];
     let o = flat_mut(&mut st.o);
+    let mut ok = true;
     let tiles = rows.chunks(TILE);
     let mut next = rows.chunks(TILE).skip(1);
     for tile in tiles {
@@ -288,24 +304,25 @@ pub(crate) fn attend(prep: &Prep<'_>, rows: &[KvRow<'_>], st: &mut Partial) {
         for h0 in (0..hp).step_by(16) {
             for d0 in (0..HEAD_DIM).step_by(DC) {
                 for j0 in (0..np).step_by(6) {
-                    qk_6x16(&kt, j0, qt, hp, h0, d0, DC, d0 > 0, s);
+                    ok &= qk_6x16(&kt, j0, qt, hp, h0, d0, DC, d0 > 0, s);
                 }
             }
         }
-        softmax_tile(s, n, hp, &mut st.m, &mut st.l, &mut alpha);
+        ok &= softmax_tile(s, n, hp, &mut st.m, &mut st.l, &mut alpha);
         for d0 in (0..HEAD_DIM).step_by(16) {
             let mut h0 = 0;
             while h0 < hp {
-                match hp - h0 {
+                ok &= match hp - h0 {
                     1 => pv_kernel::<1>(&kt, n, s, hp, h0, d0, &alpha, o),
                     2 => pv_kernel::<2>(&kt, n, s, hp, h0, d0, &alpha, o),
                     3 => pv_kernel::<3>(&kt, n, s, hp, h0, d0, &alpha, o),
                     4 => pv_kernel::<4>(&kt, n, s, hp, h0, d0, &alpha, o),
                     5 => pv_kernel::<5>(&kt, n, s, hp, h0, d0, &alpha, o),
                     _ => pv_kernel::<6>(&kt, n, s, hp, h0, d0, &alpha, o),
-                }
+                };
                 h0 += 6;
             }
         }
     }
+    ok
 }

@@ -81,10 +81,12 @@ fn dequantize_row(row: &KvRow<'_>, out: &mut Row512) {
 /// sum_d kt[j0 + j][d] * qt[d][h0..h0+16V]`, with `12 V` accumulators. Per channel `V` query
 /// loads and twelve broadcasts feed `12 V` FMAs: `V = 2` (32 heads) is the main form; `V = 1`
 /// (13 loads per 12 FMAs, load-bound) only serves a trailing 16 heads. Each lane is one FMA
-/// chain over the channels, as in AVX2.
+/// chain over the channels, as in AVX2. `false` (nothing computed) if the slices are too short
+/// for the block, a bug [`attend`] reports.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
 #[allow(clippy::too_many_arguments)]
+#[must_use]
 fn qk_12<const V: usize>(
     kt: &[Row512],
     j0: usize,
@@ -95,7 +97,7 @@ fn qk_12<const V: usize>(
     dc: usize,
     accumulate: bool,
     s: &mut [f32],
-) {
+) -> bool {
     let ok = j0 + QK_ROWS <= kt.len()
         && d0 + dc <= HEAD_DIM
         && h0 + 16 * V <= hp
@@ -103,7 +105,7 @@ fn qk_12<const V: usize>(
         && s.len() >= (j0 + QK_ROWS) * hp;
     debug_assert!(ok, "qk_12 bounds");
     if !ok {
-        return;
+        return false;
     }
     let mut acc = [[_mm512_setzero_ps(); V]; QK_ROWS];
     // SAFETY: checked above: rows j0..j0+12 exist (Row512 is exactly 512 f32 without padding,
@@ -138,13 +140,16 @@ fn qk_12<const V: usize>(
             }
         }
     }
+    true
 }
 
 /// `o[h][d0..d0+32] = alpha[h] * o[h][..] + sum_j p[j][h] * kt[j][d0..d0+32]` for heads
 /// `h0..h0 + MR` (MR <= 12): 2 MR accumulators, two value vectors and broadcast weights.
+/// `false` (nothing computed) if the slices are too short for the block.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
 #[allow(clippy::too_many_arguments)]
+#[must_use]
 fn pv_kernel<const MR: usize>(
     kt: &[Row512],
     n: usize,
@@ -154,7 +159,7 @@ fn pv_kernel<const MR: usize>(
     d0: usize,
     alpha: &[f32],
     o: &mut [f32],
-) {
+) -> bool {
     let ok = n <= kt.len()
         && h0 + MR <= hp
         && d0 + 32 <= HEAD_DIM
@@ -163,7 +168,7 @@ fn pv_kernel<const MR: usize>(
         && o.len() >= hp * HEAD_DIM;
     debug_assert!(ok, "pv_kernel bounds");
     if !ok {
-        return;
+        return false;
     }
     let mut acc = [[_mm512_setzero_ps(); 2]; MR];
     // SAFETY: checked above: heads h0..h0+MR are rows of o (hp x 512) and entries of alpha;
@@ -193,12 +198,15 @@ fn pv_kernel<const MR: usize>(
             _mm512_storeu_ps(orow.add(i * HEAD_DIM + 16), a[1]);
         }
     }
+    true
 }
 
 /// Online softmax step for one tile of `n` logit rows, 16 heads at a time; lane for lane the
-/// AVX2 `softmax_tile` (`hp` is a multiple of 16).
+/// AVX2 `softmax_tile` (`hp` is a multiple of 16). `false` if `m`, `l` or `alpha` has fewer
+/// than `hp` values or `hp` is not a multiple of 16.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+#[must_use]
 fn softmax_tile(
     s: &mut [f32],
     n: usize,
@@ -206,7 +214,11 @@ fn softmax_tile(
     m: &mut [f32],
     l: &mut [f32],
     alpha: &mut [f32],
-) {
+) -> bool {
+    debug_assert!(
+        m.len() >= hp && l.len() >= hp && alpha.len() >= hp && hp.is_multiple_of(16),
+        "softmax_tile bounds"
+    );
     let c = _mm512_set1_ps(LOGIT_SCALE);
     for hv in (0..hp).step_by(16) {
         let (Some(mv), Some(lv), Some(av)) = (
@@ -214,14 +226,14 @@ fn softmax_tile(
             l.get_mut(hv..hv + 16),
             alpha.get_mut(hv..hv + 16),
         ) else {
-            return;
+            return false;
         };
         let (Ok(mv), Ok(lv), Ok(av)) = (
             <&mut [f32; 16]>::try_from(mv),
             <&mut [f32; 16]>::try_from(lv),
             <&mut [f32; 16]>::try_from(av),
         ) else {
-            return;
+            return false;
         };
         let mut mt = _mm512_set1_ps(f32::NEG_INFINITY);
         for j in 0..n {
@@ -246,6 +258,7 @@ fn softmax_tile(
         st_ps(mv, mn);
         st_ps(av, a);
     }
+    true
 }
 
 /// Lanes `hv..hv + 16` of logit row `j` (rows of `hp` values), if inside `s`.
@@ -267,15 +280,18 @@ fn prefetch_row(row: &KvRow<'_>) {
     }
 }
 
-/// `P . V` of one tile for every head, heads in groups of up to 12.
+/// `P . V` of one tile for every head, heads in groups of up to 12; `false` if a group's
+/// kernel found its slices too short.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-fn pv_tile(kt: &[Row512], n: usize, s: &[f32], hp: usize, alpha: &[f32], o: &mut [f32]) {
+#[must_use]
+fn pv_tile(kt: &[Row512], n: usize, s: &[f32], hp: usize, alpha: &[f32], o: &mut [f32]) -> bool {
+    let mut ok = true;
     for d0 in (0..HEAD_DIM).step_by(32) {
         let mut h0 = 0;
         while h0 < hp {
             let left = hp - h0;
-            match left {
+            ok &= match left {
                 1 => pv_kernel::<1>(kt, n, s, hp, h0, d0, alpha, o),
                 2 => pv_kernel::<2>(kt, n, s, hp, h0, d0, alpha, o),
                 3 => pv_kernel::<3>(kt, n, s, hp, h0, d0, alpha, o),
@@ -288,16 +304,18 @@ fn pv_tile(kt: &[Row512], n: usize, s: &[f32], hp: usize, alpha: &[f32], o: &mut
                 10 => pv_kernel::<10>(kt, n, s, hp, h0, d0, alpha, o),
                 11 => pv_kernel::<11>(kt, n, s, hp, h0, d0, alpha, o),
                 _ => pv_kernel::<12>(kt, n, s, hp, h0, d0, alpha, o),
-            }
+            };
             h0 += left.min(12);
         }
     }
+    ok
 }
 
 /// Attends `rows` into `st`, tile by tile: dequantize (once for all heads), logits, online
-/// softmax, `P . V`.
+/// softmax, `P . V`. `false` if a micro-kernel found its slices too short (a bug, as in the
+/// AVX2 `attend`).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-pub(crate) fn attend(prep: &Prep<'_>, rows: &[KvRow<'_>], st: &mut Partial) {
+pub(crate) fn attend(prep: &Prep<'_>, rows: &[KvRow<'_>], st: &mut Partial) -> bool {
     let hp = prep.hp;
     let qt = flat(&prep.qt);
     let mut kt = vec![Row512([0.0; HEAD_DIM]); TILE];
@@ -305,6 +323,7 @@ pub(crate) fn attend(prep: &Prep<'_>, rows: &[KvRow<'_>], st: &mut Partial) {
     let s = flat_mut(&mut sv);
     let mut alpha = vec![0f32; hp];
     let o = flat_mut(&mut st.o);
+    let mut ok = true;
     let mut next = rows.chunks(TILE).skip(1);
     for tile in rows.chunks(TILE) {
         if let Some(nt) = next.next() {
@@ -327,15 +346,16 @@ pub(crate) fn attend(prep: &Prep<'_>, rows: &[KvRow<'_>], st: &mut Partial) {
             for d0 in (0..HEAD_DIM).step_by(DC) {
                 for j0 in (0..np).step_by(QK_ROWS) {
                     if wide {
-                        qk_12::<2>(&kt, j0, qt, hp, h0, d0, DC, d0 > 0, s);
+                        ok &= qk_12::<2>(&kt, j0, qt, hp, h0, d0, DC, d0 > 0, s);
                     } else {
-                        qk_12::<1>(&kt, j0, qt, hp, h0, d0, DC, d0 > 0, s);
+                        ok &= qk_12::<1>(&kt, j0, qt, hp, h0, d0, DC, d0 > 0, s);
                     }
                 }
             }
             h0 += if wide { 32 } else { 16 };
         }
-        softmax_tile(s, n, hp, &mut st.m, &mut st.l, &mut alpha);
-        pv_tile(&kt, n, s, hp, &alpha, o);
+        ok &= softmax_tile(s, n, hp, &mut st.m, &mut st.l, &mut alpha);
+        ok &= pv_tile(&kt, n, s, hp, &alpha, o);
     }
+    ok
 }
