@@ -47,9 +47,7 @@ use kvstack_kernels::attn::{
     sparse_attention_decode_with, topk, topk_positions,
 };
 use kvstack_kernels::peak::{Int8Kernel, Peaks};
-use kvstack_kernels::{
-    EntryFormat, GlobalFp4Entry, IndexMxfp4Entry, SimdLevel, WindowFp8Entry, detected_level,
-};
+use kvstack_kernels::{EntryFormat, GlobalFp4Entry, IndexMxfp4Entry, SimdLevel, WindowFp8Entry};
 use zerocopy::{FromBytes, IntoBytes};
 
 use crate::Result;
@@ -511,14 +509,7 @@ fn random_pool(rng: &mut Rng, n: usize) -> Vec<i32> {
 /// [`crate::Error::Kernel`] with the first error a kernel call returned.
 pub fn run_attention_bench(opts: &AttentionBenchOptions) -> Result<AttentionBenchReport> {
     let mut notes = Vec::new();
-    let peaks = match opts.level.map(Peaks::new) {
-        None => Peaks::detected(),
-        Some(Ok(p)) => p,
-        Some(Err(e)) => {
-            notes.push(format!("{e}; ran {} instead", detected_level()));
-            Peaks::detected()
-        }
-    };
+    let peaks = crate::peaks_for(opts.level, &mut notes);
     let lv = peaks.level();
     let reps = opts.repetitions.max(1);
     let n_max: usize = if opts.quick { 1 << 17 } else { 1 << 20 };

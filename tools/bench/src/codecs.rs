@@ -19,8 +19,7 @@ use std::fmt;
 use std::hint::black_box;
 use std::time::Instant;
 
-use kvstack_kernels::peak::Peaks;
-use kvstack_kernels::{EntryFormat, GlobalFp4Entry, IndexMxfp4Entry, SimdLevel, detected_level};
+use kvstack_kernels::{EntryFormat, GlobalFp4Entry, IndexMxfp4Entry, SimdLevel};
 use zerocopy::FromBytes;
 
 use crate::rng::Rng;
@@ -34,8 +33,8 @@ pub struct CodecBenchOptions {
     pub buffer_bytes: usize,
     /// Repetitions of every measurement; the fastest is reported. At least 1.
     pub repetitions: usize,
-    /// Level to run; `None` runs [`detected_level`]. An unavailable level falls back to the
-    /// detected one, with a note in the report.
+    /// Level to run; `None` runs [`kvstack_kernels::detected_level`]. An unavailable level
+    /// falls back to the detected one, with a note in the report.
     pub level: Option<SimdLevel>,
     /// Formats to run, in order.
     pub formats: Vec<EntryFormat>,
@@ -256,14 +255,7 @@ fn tile_entries(block: &[u8], entry_bytes: usize, n: usize) -> Vec<u8> {
 /// interleaved with a vectorized read of the same entries).
 pub fn run_codec_bench(opts: &CodecBenchOptions) -> CodecBenchReport {
     let mut notes = Vec::new();
-    let peaks = match opts.level.map(Peaks::new) {
-        None => Peaks::detected(),
-        Some(Ok(p)) => p,
-        Some(Err(e)) => {
-            notes.push(format!("{e}; ran {} instead", detected_level()));
-            Peaks::detected()
-        }
-    };
+    let peaks = crate::peaks_for(opts.level, &mut notes);
     let lv = peaks.level();
     let reps = opts.repetitions.max(1);
     let buf = opts.buffer_bytes.max(1 << 16);

@@ -17,3 +17,22 @@ mod error;
 mod rng;
 
 pub use error::{Error, Result};
+
+use kvstack_kernels::SimdLevel;
+use kvstack_kernels::peak::Peaks;
+
+/// The ceilings (and so the level) a harness runs: `level` where this CPU can run it, else the
+/// detected level, with a note saying so.
+fn peaks_for(level: Option<SimdLevel>, notes: &mut Vec<String>) -> Peaks {
+    match level.map(Peaks::new) {
+        None => Peaks::detected(),
+        Some(Ok(p)) => p,
+        Some(Err(e)) => {
+            notes.push(format!(
+                "{e}; ran {} instead",
+                kvstack_kernels::detected_level()
+            ));
+            Peaks::detected()
+        }
+    }
+}
