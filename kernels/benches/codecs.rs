@@ -1,6 +1,6 @@
 //! Criterion micro-benchmarks: per-format codec and dot throughput on cache-resident buffers,
 //! for every SIMD level this CPU runs. (`kvstack bench codecs`, built on
-//! `kvstack_kernels::bench`, compares against memcpy and memory bandwidth instead.)
+//! `kvstack_bench::codecs`, compares against memcpy and memory bandwidth instead.)
 
 // Test code: a failed unwrap is a failed test (the workspace denies these in library code).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]

@@ -251,39 +251,3 @@ pub fn dot_mxfp4_mxfp4_many_with(
     mx_mx_many(level, q, keys, out);
     Ok(())
 }
-
-/// [`dot_fp4_many`] on an already verified level (for the benchmarks).
-pub(crate) fn dot_fp4_many_at(
-    level: Verified,
-    q: &[f32; 512],
-    entries: &[GlobalFp4Entry],
-    out: &mut [f32],
-) -> Result<(), Error> {
-    check_out(entries.len(), out)?;
-    fp4_many(level, q, entries, out);
-    Ok(())
-}
-
-/// [`dot_mxfp4_many`] on an already verified level (for the benchmarks).
-pub(crate) fn dot_mxfp4_many_at(
-    level: Verified,
-    q: &[f32; 128],
-    keys: &[IndexMxfp4Entry],
-    out: &mut [f32],
-) -> Result<(), Error> {
-    check_out(keys.len(), out)?;
-    mxfp4_many(level, q, keys, out);
-    Ok(())
-}
-
-/// [`dot_mxfp4_mxfp4_many`] on an already verified level (for the benchmarks).
-pub(crate) fn dot_mxfp4_mxfp4_many_at(
-    level: Verified,
-    q: &IndexMxfp4Entry,
-    keys: &[IndexMxfp4Entry],
-    out: &mut [f32],
-) -> Result<(), Error> {
-    check_out(keys.len(), out)?;
-    mx_mx_many(level, q, keys, out);
-    Ok(())
-}

@@ -84,6 +84,13 @@ pub enum Error {
         /// Why it is unusable.
         reason: String,
     },
+    /// A kernel found one of its own invariants broken: a bug in this crate, whatever the
+    /// input; the output buffer is not meaningful.
+    #[error("internal error: {what}")]
+    Internal {
+        /// What did not hold.
+        what: &'static str,
+    },
     /// A row layout the entry formats reject (width not a whole number of tiles, or a row
     /// buffer of the wrong size).
     #[error(transparent)]

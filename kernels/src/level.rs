@@ -163,6 +163,32 @@ impl Verified {
     }
 }
 
+/// Proof that this CPU has AVX-512 F/BW/VL and VNNI and that the AVX-512 level was chosen:
+/// only [`Vnni::detect`] makes one, so holding it is what the `unsafe` calls of the indexer's
+/// VNNI kernels (`attn::index::avx512::index_tile16`) from the AVX2 tile loop rely on;
+/// [`Vnni::vbmi`] says whether the fused kernel (`index_tile16_fused`) may be called too.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Vnni {
+    vbmi: bool,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Vnni {
+    /// A token if `level` is the AVX-512 level and the CPU has VNNI.
+    pub(crate) fn detect(level: Verified) -> Option<Vnni> {
+        (level.level() == SimdLevel::Avx512 && std::arch::is_x86_feature_detected!("avx512vnni"))
+            .then(|| Vnni {
+                vbmi: std::arch::is_x86_feature_detected!("avx512vbmi"),
+            })
+    }
+
+    /// Whether the CPU also has AVX-512 VBMI (`vpermb`), which the fused kernel needs.
+    pub(crate) fn vbmi(self) -> bool {
+        self.vbmi
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

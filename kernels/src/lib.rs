@@ -8,7 +8,8 @@
 //!   of a query with stored entries, decoding in registers (see [`dot`] for accuracy).
 //! - Every entry point has a `_with(level, ..)` form that forces a level (for tests and
 //!   benchmarks); the plain forms use [`detected_level`], chosen once per process.
-//! - [`mod@bench`]: throughput against memcpy and memory-read bandwidth measured in the same run.
+//! - [`peak`]: machine ceilings for benchmarks (memory-read stream, FMA and 8-bit integer
+//!   multiply-add peaks per level); the benchmarks themselves live in `kvstack-bench`.
 //! - [`par`]: the few parallel tasks of a decode step on rayon's pool, with a short wait.
 //! - [`csa2`]: the CSA2 attention building blocks of spec §4 at any width (GEMM, RMSNorm, RoPE
 //!   with YaRN, compressor, indexer, top-k, candidate pool, sparse attention, output
@@ -41,7 +42,6 @@
 //! ```
 
 pub mod attn;
-pub mod bench;
 mod codec;
 pub mod csa2;
 pub mod dot;
@@ -49,6 +49,7 @@ mod error;
 mod level;
 pub mod model;
 pub mod par;
+pub mod peak;
 mod portable;
 mod scalar;
 #[cfg(target_arch = "x86_64")]

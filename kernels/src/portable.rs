@@ -235,17 +235,3 @@ pub(crate) fn dot_mxfp4_mxfp4(q: &IndexMxfp4Entry, keys: &[IndexMxfp4Entry], out
         *o = combine_mxfp4_blocks(isum, &q.scales, &k.scales);
     }
 }
-
-/// Wrapping sum of all 8-byte words (and the tail bytes): a pure read stream for measuring
-/// memory-read bandwidth. Eight independent accumulators let LLVM vectorize it.
-pub(crate) fn read_sum(bytes: &[u8]) -> u64 {
-    let (words, tail) = bytes.as_chunks::<64>();
-    let mut acc = [0u64; 8];
-    for w in words {
-        for (a, c) in acc.iter_mut().zip(w.as_chunks::<8>().0) {
-            *a = a.wrapping_add(u64::from_le_bytes(*c));
-        }
-    }
-    let t = tail.iter().fold(0u64, |s, &b| s.wrapping_add(u64::from(b)));
-    acc.iter().fold(t, |s, &a| s.wrapping_add(a))
-}

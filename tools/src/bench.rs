@@ -3,8 +3,8 @@
 use std::io::Write;
 
 use clap::Args;
+use kvstack_bench::codecs::{CodecBenchOptions, CodecBenchReport, run_codec_bench};
 use kvstack_kernels::SimdLevel;
-use kvstack_kernels::bench::{CodecBenchOptions, CodecBenchReport, run_codec_bench};
 use serde_json::json;
 
 use crate::error::CliError;
@@ -18,10 +18,10 @@ pub struct CodecsArgs {
     quick: bool,
     /// Buffer size in MiB (f32 side of the codecs, encoded side of the dots). Default 64, larger
     /// than the last-level cache so DRAM bandwidth is what is measured.
-    #[arg(long, value_name = "MIB", conflicts_with = "quick")]
+    #[arg(long, value_name = "MIB", conflicts_with = "quick", value_parser = crate::flags::count::<usize>(1, 16 << 10))]
     buffer_mib: Option<usize>,
     /// Repetitions per measurement (the fastest counts).
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = crate::flags::count::<usize>(1, 1000))]
     repetitions: Option<usize>,
     /// SIMD level to run (portable, avx2, avx512); default: the detected one.
     #[arg(long, value_name = "LEVEL")]
@@ -63,10 +63,10 @@ pub fn codecs(args: &CodecsArgs) -> Result<(), CliError> {
         CodecBenchOptions::default()
     };
     if let Some(mib) = args.buffer_mib {
-        opts.buffer_bytes = mib.max(1) << 20;
+        opts.buffer_bytes = mib << 20;
     }
     if let Some(n) = args.repetitions {
-        opts.repetitions = n.max(1);
+        opts.repetitions = n;
     }
     opts.level = args.level;
     if !args.json {
@@ -125,7 +125,7 @@ pub fn codecs(args: &CodecsArgs) -> Result<(), CliError> {
 #[derive(Args)]
 pub struct FootprintArgs {
     /// Tokens in the one sequence built (K and M suffixes: x1024, x1024^2).
-    #[arg(long, value_parser = crate::calc::parse_tokens, default_value = "1M", value_name = "N")]
+    #[arg(long, value_parser = crate::flags::footprint_tokens, default_value = "1M", value_name = "N")]
     tokens: u64,
     /// Print the report as JSON (`global_bytes_per_token`, `per_sequence_bytes`,
     /// `peak_rss_bytes`, ...).

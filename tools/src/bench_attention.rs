@@ -4,11 +4,9 @@
 use std::io::Write;
 
 use clap::Args;
+use kvstack_bench::attention::{AttentionBenchOptions, AttentionBenchReport, run_attention_bench};
 use kvstack_driver::probe::{CpuIdentity, cpu_identity};
 use kvstack_kernels::SimdLevel;
-use kvstack_kernels::attn::bench::{
-    AttentionBenchOptions, AttentionBenchReport, run_attention_bench,
-};
 use serde_json::json;
 
 use crate::error::CliError;
@@ -21,16 +19,17 @@ pub struct AttentionArgs {
         long,
         value_delimiter = ',',
         default_value = "1,2",
-        value_name = "N,.."
+        value_name = "N,..",
+        value_parser = crate::flags::count::<usize>(1, 1024)
     )]
     threads: Vec<usize>,
     /// Caches of 131,072 entries (no 1M case) and 3 repetitions: a smoke run.
     #[arg(long)]
     quick: bool,
     /// Repetitions per measurement (the fastest counts).
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = crate::flags::count::<usize>(1, 1000))]
     repetitions: Option<usize>,
-    /// SIMD level to run (portable, avx2); default: the detected one.
+    /// SIMD level to run (portable, avx2, avx512); default: the detected one.
     #[arg(long, value_name = "LEVEL")]
     level: Option<SimdLevel>,
     /// Print one JSON object instead of a table.
@@ -116,10 +115,10 @@ pub fn run(args: &AttentionArgs) -> Result<(), CliError> {
         AttentionBenchOptions::default()
     };
     if !args.threads.is_empty() {
-        opts.threads = args.threads.iter().map(|&t| t.max(1)).collect();
+        opts.threads = args.threads.clone();
     }
     if let Some(n) = args.repetitions {
-        opts.repetitions = n.max(1);
+        opts.repetitions = n;
     }
     opts.level = args.level;
     if !args.json {

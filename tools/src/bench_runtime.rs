@@ -17,30 +17,31 @@ pub struct RuntimeArgs {
     #[arg(long, value_name = "D", default_value = crate::DEFAULT_DATA_DIR)]
     dir: PathBuf,
     /// Tokens of the long prompt of the time-to-first-token runs.
-    #[arg(long, value_name = "N", default_value_t = 32_768)]
+    #[arg(long, value_name = "N", default_value_t = 32_768, value_parser = crate::flags::count::<usize>(2, 1 << 16))]
     tokens: usize,
     /// Of those, new tokens after the cached prefix.
-    #[arg(long, value_name = "N", default_value_t = 64)]
+    #[arg(long, value_name = "N", default_value_t = 64, value_parser = crate::flags::count::<usize>(1, 1 << 16))]
     suffix: usize,
     /// Thread counts of the throughput runs (the TTFT runs use the largest).
     #[arg(
         long,
         value_name = "N,..",
         value_delimiter = ',',
-        default_value = "1,2"
+        default_value = "1,2",
+        value_parser = crate::flags::count::<usize>(1, 1024)
     )]
     threads: Vec<usize>,
     /// Prompt tokens of the prefill throughput run.
-    #[arg(long, value_name = "N", default_value_t = 2048)]
+    #[arg(long, value_name = "N", default_value_t = 2048, value_parser = crate::flags::count::<usize>(1, 1 << 16))]
     prefill_tokens: usize,
     /// Sequences decoding together in the decode throughput run.
-    #[arg(long, value_name = "N", default_value_t = 4)]
+    #[arg(long, value_name = "N", default_value_t = 4, value_parser = crate::flags::count::<usize>(1, 64))]
     decode_sessions: usize,
     /// Tokens each of them decodes.
-    #[arg(long, value_name = "N", default_value_t = 32)]
+    #[arg(long, value_name = "N", default_value_t = 32, value_parser = crate::flags::count::<usize>(1, 4096))]
     decode_tokens: usize,
     /// Prompt tokens of the CED vs exact comparison (0 skips it).
-    #[arg(long, value_name = "N", default_value_t = 1024)]
+    #[arg(long, value_name = "N", default_value_t = 1024, value_parser = crate::flags::count::<usize>(0, 1 << 16))]
     ced_tokens: usize,
     /// Prefill mode of the engine runs.
     #[arg(long, value_enum, default_value = "ced")]
@@ -52,13 +53,22 @@ pub struct RuntimeArgs {
 
 /// Runs `kvstack bench runtime`. Exits non-zero when a cached TTFT misses its target.
 pub fn run(a: &RuntimeArgs) -> Result<(), CliError> {
+    if a.suffix >= a.tokens {
+        return Err(CliError::Usage {
+            flag: "--suffix",
+            reason: format!(
+                "{} new tokens leave no cached prefix of a {}-token prompt (--tokens)",
+                a.suffix, a.tokens
+            ),
+        });
+    }
     let mut o = RuntimeBenchOptions::new(a.dir.clone());
-    o.tokens = a.tokens.max(2);
-    o.suffix = a.suffix.max(1);
+    o.tokens = a.tokens;
+    o.suffix = a.suffix;
     o.threads = a.threads.clone();
-    o.prefill_tokens = a.prefill_tokens.max(1);
-    o.decode_sessions = a.decode_sessions.max(1);
-    o.decode_tokens = a.decode_tokens.max(1);
+    o.prefill_tokens = a.prefill_tokens;
+    o.decode_sessions = a.decode_sessions;
+    o.decode_tokens = a.decode_tokens;
     o.ced_tokens = a.ced_tokens;
     o.prefill = match a.prefill {
         ModeArg::Exact => PrefillMode::Exact,

@@ -15,19 +15,19 @@ pub struct TiersArgs {
     #[arg(long, value_name = "D", default_value = crate::DEFAULT_DATA_DIR)]
     dir: PathBuf,
     /// Units of 131,072 tokens written and read (about 120 MB each).
-    #[arg(long, value_name = "N", default_value_t = 4)]
+    #[arg(long, value_name = "N", default_value_t = 4, value_parser = crate::flags::count::<usize>(1, 1024))]
     units: usize,
     /// Tokens per unit and of the restored prefix (a multiple of 256).
-    #[arg(long, value_name = "N", default_value_t = 131_072)]
+    #[arg(long, value_name = "N", default_value_t = 131_072, value_parser = crate::flags::count::<u64>(256, 1 << 20))]
     unit_tokens: u64,
     /// Window snapshots cycled through the DRAM pool.
-    #[arg(long, value_name = "N", default_value_t = 48)]
+    #[arg(long, value_name = "N", default_value_t = 48, value_parser = crate::flags::count::<usize>(2, 4096))]
     snapshots: usize,
     /// Queue depth of the store (and of fio).
-    #[arg(long, value_name = "N", default_value_t = 16)]
+    #[arg(long, value_name = "N", default_value_t = 16, value_parser = crate::flags::count::<usize>(1, 256))]
     queue_depth: usize,
     /// Alternating fio / store runs of the SSD measurements (the best of each counts).
-    #[arg(long, value_name = "N", default_value_t = 2)]
+    #[arg(long, value_name = "N", default_value_t = 2, value_parser = crate::flags::count::<usize>(1, 100))]
     repeat: usize,
     /// Skip fio even when it is installed.
     #[arg(long)]
@@ -39,13 +39,19 @@ pub struct TiersArgs {
 
 /// Runs `kvstack bench tiers`. Exits non-zero when a measured ratio misses its target.
 pub fn run(args: &TiersArgs) -> Result<(), CliError> {
+    if !args.unit_tokens.is_multiple_of(256) {
+        return Err(CliError::Usage {
+            flag: "--unit-tokens",
+            reason: format!("{} is not a multiple of 256", args.unit_tokens),
+        });
+    }
     let mut opts = TiersBenchOptions::new(args.dir.clone());
-    opts.write_units = args.units.max(1);
-    opts.unit_tokens = args.unit_tokens.max(256);
-    opts.pool_snapshots = args.snapshots.max(2);
-    opts.queue_depth = args.queue_depth.max(1);
+    opts.write_units = args.units;
+    opts.unit_tokens = args.unit_tokens;
+    opts.pool_snapshots = args.snapshots;
+    opts.queue_depth = args.queue_depth;
     opts.fio = !args.no_fio;
-    opts.repetitions = args.repeat.max(1);
+    opts.repetitions = args.repeat;
     let quiet = args.json;
     let report = run_tiers_bench(&opts, |stage| {
         if !quiet {

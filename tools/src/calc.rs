@@ -23,7 +23,7 @@ pub struct CalcArgs {
     compare: Vec<PathBuf>,
     /// Context length for the size line: a token count, optionally with K or M (x1024, x1024^2).
     /// Default: the config's max_position_embeddings.
-    #[arg(long, value_parser = parse_tokens, value_name = "N")]
+    #[arg(long, value_parser = crate::flags::calc_context, value_name = "N")]
     context: Option<u64>,
     /// Override the global (compressed KV) storage format: bf16, fp8, fp4 (also fp8-mla,
     /// fp8-nope-bf16-rope).
@@ -35,22 +35,6 @@ pub struct CalcArgs {
     /// Print JSON: one object per config (an array with --compare).
     #[arg(long)]
     json: bool,
-}
-
-/// Parses a token count with an optional K / M suffix (x1024, x1024^2).
-pub fn parse_tokens(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let (digits, mult) = match t.chars().last() {
-        Some('k' | 'K') => (&t[..t.len() - 1], 1u64 << 10),
-        Some('m' | 'M') => (&t[..t.len() - 1], 1u64 << 20),
-        _ => (t, 1),
-    };
-    let n: u64 = digits
-        .replace('_', "")
-        .parse()
-        .map_err(|_| format!("{s:?} is not a token count (examples: 131072, 128K, 1M)"))?;
-    n.checked_mul(mult)
-        .ok_or_else(|| format!("{s:?} is too large"))
 }
 
 /// One computed config: where it came from and its report.
@@ -409,15 +393,6 @@ pub fn run(args: &CalcArgs) -> Result<(), CliError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn token_counts_parse_with_suffixes() {
-        assert_eq!(parse_tokens("1M"), Ok(1_048_576));
-        assert_eq!(parse_tokens("128K"), Ok(131_072));
-        assert_eq!(parse_tokens("1_000"), Ok(1000));
-        assert!(parse_tokens("lots").unwrap_err().contains("\"lots\""));
-        assert!(parse_tokens("99999999999999999M").is_err());
-    }
 
     #[test]
     fn numbers_print_compactly() {

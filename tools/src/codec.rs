@@ -7,10 +7,15 @@ use kvstack_firmware_interface::EntryFormat;
 
 use crate::error::CliError;
 
+/// Most bytes of a codec input: it is held in memory with its output.
+const MAX_INPUT_BYTES: u64 = 16 << 30;
+
 fn read(path: &Path) -> Result<Vec<u8>, CliError> {
-    let bytes = std::fs::read(path).map_err(|source| CliError::Read {
-        path: path.into(),
-        source,
+    let bytes = kvstack_spec::files::read_regular(path, MAX_INPUT_BYTES).map_err(|source| {
+        CliError::Read {
+            path: path.into(),
+            source,
+        }
     })?;
     if bytes.is_empty() {
         return Err(CliError::Empty { path: path.into() });

@@ -10,9 +10,9 @@ pub enum CliError {
     Read {
         /// The file.
         path: PathBuf,
-        /// The cause.
+        /// The cause: an I/O error, not a regular file, or too large.
         #[source]
-        source: std::io::Error,
+        source: kvstack_spec::files::FileError,
     },
     /// A file could not be written.
     #[error("cannot write {path}")]
@@ -74,12 +74,21 @@ pub enum CliError {
     /// `kvstack store fsck` found damage (listed on standard output).
     #[error("{0} damaged ranges or segments found")]
     Damaged(usize),
-    /// An attention kernel failed in a benchmark.
-    #[error("attention kernel failed")]
-    Attention(#[source] kvstack_kernels::attn::AttnError),
+    /// The attention benchmark failed (a kernel refused a call; the cause says which).
+    #[error("attention benchmark failed")]
+    Attention(#[source] kvstack_bench::Error),
     /// A benchmark ran but missed one of its targets.
     #[error("benchmark targets missed: {0}")]
     TargetsMissed(String),
+    /// Flags that are each in range but do not go together (exit 2, as clap's own usage
+    /// errors).
+    #[error("invalid value for '{flag}': {reason}")]
+    Usage {
+        /// The flag to change.
+        flag: &'static str,
+        /// Why.
+        reason: String,
+    },
     /// Writing to standard output failed.
     #[error("cannot write to standard output")]
     Stdout(#[source] std::io::Error),

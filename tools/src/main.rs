@@ -11,6 +11,7 @@ mod bench_tiers;
 mod calc;
 mod codec;
 mod error;
+mod flags;
 mod info;
 mod model;
 mod run;
@@ -209,6 +210,10 @@ fn main() -> ExitCode {
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) if error::is_broken_pipe(&e) => ExitCode::SUCCESS,
+        Err(e @ CliError::Usage { .. }) => {
+            error::print_chain(&e);
+            ExitCode::from(2)
+        }
         Err(e) => {
             error::print_chain(&e);
             ExitCode::FAILURE

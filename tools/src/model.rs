@@ -47,7 +47,7 @@ pub struct VerifyModelArgs {
     #[arg(long)]
     vectors: PathBuf,
     /// Relative tolerance of f32 tensors (to the tensor's largest magnitude).
-    #[arg(long, default_value_t = 1e-4)]
+    #[arg(long, default_value_t = 1e-4, value_parser = crate::flags::rel_tol)]
     rel_tol: f64,
     /// Print one JSON object instead of a table.
     #[arg(long)]

@@ -31,6 +31,10 @@ use kvstack_model::PrefillMode;
 use serde::Serialize;
 
 use crate::error::CliError;
+use crate::flags;
+
+/// Tokens one session may reach: the paged cache's context limit in `kvstack run`.
+const CONTEXT_LIMIT: u64 = 1 << 16;
 
 /// Prefill mode.
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -48,40 +52,40 @@ pub struct RunArgs {
     #[arg(long, default_value = crate::DEFAULT_DATA_DIR)]
     data_dir: PathBuf,
     /// Concurrent agent sessions.
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 3, value_parser = flags::count::<usize>(1, 256))]
     sessions: usize,
     /// Turns per session.
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 3, value_parser = flags::count::<usize>(1, 1024))]
     turns: usize,
     /// Tokens of the system prompt all sessions share.
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = 512, value_parser = flags::count::<usize>(0, CONTEXT_LIMIT))]
     system_tokens: usize,
     /// Tokens of the first tool output; turn k's output is (k + 1) times as long.
-    #[arg(long, default_value_t = 96)]
+    #[arg(long, default_value_t = 96, value_parser = flags::count::<usize>(0, CONTEXT_LIMIT))]
     tool_tokens: usize,
     /// Tokens of each user message.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, value_parser = flags::count::<usize>(1, CONTEXT_LIMIT))]
     user_tokens: usize,
     /// Tokens generated per turn.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, value_parser = flags::count::<usize>(1, CONTEXT_LIMIT))]
     decode_tokens: usize,
     /// Prefill chunk (tokens per step).
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 256, value_parser = flags::count::<usize>(1, CONTEXT_LIMIT))]
     chunk: usize,
     /// Prefill mode.
     #[arg(long, value_enum, default_value = "ced")]
     prefill: ModeArg,
     /// Threads for the routed experts.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = flags::count::<usize>(1, 1024))]
     threads: usize,
     /// Seed of the model weights and the workload.
     #[arg(long, default_value_t = 4101)]
     seed: u64,
     /// Sampling temperature (greedy when absent).
-    #[arg(long)]
+    #[arg(long, value_parser = flags::temperature)]
     temperature: Option<f32>,
     /// Nucleus mass with --temperature.
-    #[arg(long, default_value_t = 0.9)]
+    #[arg(long, default_value_t = 0.9, value_parser = flags::top_p)]
     top_p: f32,
     /// Keep each session's sequence in the paged cache between turns (no tier restores).
     #[arg(long)]
@@ -117,8 +121,31 @@ struct Summary {
     service: ServiceReport,
 }
 
+/// Checks what the flags' own ranges cannot: the longest session must fit the context limit.
+fn check(a: &RunArgs) -> Result<(), CliError> {
+    // Session context after its last turn: the system prompt, then per turn k its tool
+    // output ((k + 1) x --tool-tokens), user message and generated tokens.
+    let turns = a.turns as u128;
+    let longest = a.system_tokens as u128
+        + a.tool_tokens as u128 * turns * (turns + 1) / 2
+        + (a.user_tokens as u128 + a.decode_tokens as u128) * turns;
+    if longest > u128::from(CONTEXT_LIMIT) {
+        return Err(CliError::Usage {
+            flag: "--turns",
+            reason: format!(
+                "with --system-tokens {}, --tool-tokens {}, --user-tokens {} and --decode-tokens \
+                 {}, {} turns make a session of {longest} tokens, over the {CONTEXT_LIMIT}-token \
+                 context limit",
+                a.system_tokens, a.tool_tokens, a.user_tokens, a.decode_tokens, a.turns
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// Runs `kvstack run`.
 pub fn run(a: &RunArgs) -> Result<(), CliError> {
+    check(a)?;
     let mut opts = ServiceOptions::new(ModelSource::BuiltinTiny { seed: a.seed });
     if !a.no_tiers {
         std::fs::create_dir_all(&a.data_dir).map_err(CliError::Stdout)?;
@@ -130,11 +157,11 @@ pub fn run(a: &RunArgs) -> Result<(), CliError> {
             ModeArg::Exact => PrefillMode::Exact,
             ModeArg::Ced => PrefillMode::Ced,
         },
-        chunk: a.chunk.max(1),
+        chunk: a.chunk,
         keep_live: a.keep_live,
         cache: CacheOptions {
-            context_limit: 1 << 16,
-            max_sequences: a.sessions.max(1) + 1,
+            context_limit: CONTEXT_LIMIT,
+            max_sequences: a.sessions + 1,
             ..CacheOptions::default()
         },
         ..EngineOptions::default()
@@ -160,7 +187,7 @@ pub fn run(a: &RunArgs) -> Result<(), CliError> {
     };
     let spec = |i: usize, k: usize| RequestSpec {
         tokens: turn_input(i, k),
-        max_new_tokens: a.decode_tokens.max(1),
+        max_new_tokens: a.decode_tokens,
         sampling,
         seed: a.seed ^ ((i as u64) << 20) ^ k as u64,
     };

@@ -30,7 +30,7 @@ pub struct StoreArgs {
     #[arg(long, value_name = "PATH")]
     device: Option<PathBuf>,
     /// Segment size in MiB the store was created with (needed for devices).
-    #[arg(long, value_name = "MIB", default_value_t = 64)]
+    #[arg(long, value_name = "MIB", default_value_t = 64, value_parser = crate::flags::count::<u64>(1, 1 << 16))]
     segment_mib: u64,
     /// Print JSON instead of text.
     #[arg(long)]
@@ -72,7 +72,7 @@ fn options(a: &StoreArgs) -> StoreOptions {
         (None, None) => StoreLocation::Directory(PathBuf::from(crate::DEFAULT_DATA_DIR)),
     };
     let mut o = StoreOptions::new(location);
-    o.segment_bytes = a.segment_mib.max(1) << 20;
+    o.segment_bytes = a.segment_mib << 20;
     o.read_only = true;
     o
 }

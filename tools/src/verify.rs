@@ -36,7 +36,7 @@ pub struct AttentionArgs {
     #[arg(long, value_enum, default_value = "both")]
     pass: PassArg,
     /// Norm-wise relative tolerance of f32 stages.
-    #[arg(long, default_value_t = 1e-4)]
+    #[arg(long, default_value_t = 1e-4, value_parser = crate::flags::rel_tol)]
     rel_tol: f64,
     /// Print one JSON object instead of a table.
     #[arg(long)]

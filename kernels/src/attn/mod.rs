@@ -44,17 +44,10 @@
 //! bits do not depend on the thread count); threads beyond that split a group's entries and
 //! merge their partial softmax states at the end.
 
-#[cfg(target_arch = "x86_64")]
-mod avx2;
-#[cfg(target_arch = "x86_64")]
-mod avx512;
-pub mod bench;
 mod index;
-mod portable;
 pub mod reference;
 mod select;
 mod sparse;
-mod tile;
 
 use std::fmt;
 use std::ops::Range;

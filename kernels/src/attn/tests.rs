@@ -80,7 +80,7 @@ fn assert_kernels_take(q: &IndexQuery, ks: &[IndexMxfp4Entry], what: &str, fused
     if crate::SimdLevel::Avx2.is_available() {
         for t in ks.as_chunks::<8>().0 {
             // SAFETY: AVX2 and FMA were detected above.
-            let ok = unsafe { super::avx2::tile_accepted(q, &t.each_ref()) };
+            let ok = unsafe { super::index::tile_accepted(q, &t.each_ref()) };
             assert!(
                 ok,
                 "{what}: the AVX2 kernel declined scales {:?}",
@@ -89,17 +89,17 @@ fn assert_kernels_take(q: &IndexQuery, ks: &[IndexMxfp4Entry], what: &str, fused
         }
     }
     let avx512 = crate::level::Verified::new(crate::SimdLevel::Avx512);
-    if let Some(v) = avx512.ok().and_then(super::avx512::Vnni::detect) {
+    if let Some(v) = avx512.ok().and_then(crate::level::Vnni::detect) {
         for t in ks.as_chunks::<16>().0 {
             // SAFETY: the `Vnni` token means AVX-512 F/BW/VL and VNNI.
-            let ok = unsafe { super::avx512::tile16_accepted(q, &t.each_ref()) };
+            let ok = unsafe { super::index::tile16_accepted(q, &t.each_ref()) };
             assert!(
                 ok,
                 "{what}: the VNNI kernel declined scales {:?}",
                 scales(t)
             );
             // SAFETY: as above.
-            let took = unsafe { super::avx512::tile16_fused_accepted(v, q, &t.each_ref()) };
+            let took = unsafe { super::index::tile16_fused_accepted(v, q, &t.each_ref()) };
             assert!(
                 took.is_none_or(|t| t == fused),
                 "{what}: the fused VNNI kernel {} scales {:?}",
@@ -264,11 +264,10 @@ fn fused_indexer_kernel_is_exact_at_its_limits() {
         #[cfg(target_arch = "x86_64")]
         {
             let avx512 = crate::level::Verified::new(crate::SimdLevel::Avx512);
-            if let Some(v) = avx512.ok().and_then(super::avx512::Vnni::detect) {
+            if let Some(v) = avx512.ok().and_then(crate::level::Vnni::detect) {
                 for (t, &e) in ks.as_chunks::<16>().0.iter().zip(&expect) {
                     // SAFETY: the `Vnni` token means AVX-512 F/BW/VL and VNNI.
-                    let took =
-                        unsafe { super::avx512::tile16_fused_accepted(v, &q, &t.each_ref()) };
+                    let took = unsafe { super::index::tile16_fused_accepted(v, &q, &t.each_ref()) };
                     assert!(
                         took.is_none_or(|t| t == e),
                         "{what}: fused kernel on scales {:?}: took {took:?}, expected {e}",

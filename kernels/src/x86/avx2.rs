@@ -26,21 +26,21 @@ use crate::scalar::{ABS_MASK, E4M3_SUB_BIAS, INF_BITS, QNAN_BITS};
 
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-fn ld_ps(a: &[f32; 8]) -> __m256 {
+pub(crate) fn ld_ps(a: &[f32; 8]) -> __m256 {
     // SAFETY: `a` is 8 initialized f32 (32 readable bytes); `loadu` accepts any alignment.
     unsafe { _mm256_loadu_ps(a.as_ptr()) }
 }
 
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-fn st_ps(a: &mut [f32; 8], v: __m256) {
+pub(crate) fn st_ps(a: &mut [f32; 8], v: __m256) {
     // SAFETY: `a` is 8 writable f32 (32 bytes) borrowed mutably; `storeu` accepts any alignment.
     unsafe { _mm256_storeu_ps(a.as_mut_ptr(), v) }
 }
 
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-fn ld_si256(a: &[u8; 32]) -> __m256i {
+pub(crate) fn ld_si256(a: &[u8; 32]) -> __m256i {
     // SAFETY: `a` is 32 readable bytes; `loadu` accepts any alignment.
     unsafe { _mm256_loadu_si256(a.as_ptr().cast()) }
 }
@@ -54,7 +54,7 @@ fn ld_const(a: &[i8; 32]) -> __m256i {
 
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-fn st_si256(a: &mut [u8; 32], v: __m256i) {
+pub(crate) fn st_si256(a: &mut [u8; 32], v: __m256i) {
     // SAFETY: `a` is 32 writable bytes borrowed mutably; `storeu` accepts any alignment.
     unsafe { _mm256_storeu_si256(a.as_mut_ptr().cast(), v) }
 }
@@ -79,7 +79,7 @@ fn ld_u8x8(a: &[u8; 8]) -> __m256i {
 
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-fn to_array_ps(v: __m256) -> [f32; 8] {
+pub(crate) fn to_array_ps(v: __m256) -> [f32; 8] {
     let mut a = [0f32; 8];
     st_ps(&mut a, v);
     a
@@ -87,7 +87,7 @@ fn to_array_ps(v: __m256) -> [f32; 8] {
 
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-fn to_array_epi32(v: __m256i) -> [i32; 8] {
+pub(crate) fn to_array_epi32(v: __m256i) -> [i32; 8] {
     let mut a = [0i32; 8];
     // SAFETY: `a` is 8 writable i32 (32 bytes) borrowed mutably; `storeu` accepts any alignment.
     unsafe { _mm256_storeu_si256(a.as_mut_ptr().cast(), v) };
@@ -813,29 +813,6 @@ pub(crate) fn dot_mxfp4_mxfp4(q: &IndexMxfp4Entry, keys: &[IndexMxfp4Entry], out
     for (k, o) in k_rest.iter().zip(o_rest) {
         *o = dot_mxfp4_mxfp4_entry(&mq, k);
     }
-}
-
-/// Wrapping sum of the bytes as 64-bit words, 128 bytes per step into four accumulators: a
-/// read stream fast enough to be limited by memory, for the bandwidth baseline.
-#[target_feature(enable = "avx2,fma")]
-pub(crate) fn read_sum(bytes: &[u8]) -> u64 {
-    let (blocks, tail) = bytes.as_chunks::<128>();
-    let mut acc = [_mm256_setzero_si256(); 4];
-    for b in blocks {
-        let b: &[[u8; 32]; 4] = transmute_ref!(b);
-        for (a, v) in acc.iter_mut().zip(b) {
-            *a = _mm256_add_epi64(*a, ld_si256(v));
-        }
-    }
-    let [a0, a1, a2, a3] = acc;
-    let s = _mm256_add_epi64(_mm256_add_epi64(a0, a1), _mm256_add_epi64(a2, a3));
-    let lanes = to_array_epi32(s);
-    let mut total = crate::portable::read_sum(tail);
-    for pair in lanes.as_chunks::<2>().0 {
-        let w = (u64::from(pair[1] as u32) << 32) | u64::from(pair[0] as u32);
-        total = total.wrapping_add(w);
-    }
-    total
 }
 
 #[cfg(test)]

@@ -94,7 +94,7 @@ fn ld_idx(a: &[i32; 16]) -> __m512i {
 
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-fn to_array_ps(v: __m512) -> [f32; 16] {
+pub(crate) fn to_array_ps(v: __m512) -> [f32; 16] {
     let mut a = [0f32; 16];
     st_ps(&mut a, v);
     a
@@ -704,27 +704,6 @@ pub(crate) fn dot_mxfp4_mxfp4(q: &IndexMxfp4Entry, keys: &[IndexMxfp4Entry], out
     for (k, o) in k_rest.iter().zip(o_rest) {
         *o = combine_mxfp4_blocks(mx_block_sums(&mq, k), &q.scales, &k.scales);
     }
-}
-
-/// `iters` iterations of 12 independent 16-lane FMA chains: this CPU's 512-bit FMA peak, for
-/// the attention benchmark's note on the headroom its AVX2 kernels leave (same construction as
-/// `attn::avx2::fma_peak`).
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-pub(crate) fn fma_peak(iters: u64, seed: f32) -> f32 {
-    let a = _mm512_set1_ps(0.999_999);
-    let b = _mm512_set1_ps(1e-7);
-    let mut acc: [__m512; 12] =
-        std::array::from_fn(|i| _mm512_add_ps(_mm512_set1_ps(seed), _mm512_set1_ps(i as f32)));
-    for _ in 0..iters {
-        for x in acc.iter_mut() {
-            *x = _mm512_fmadd_ps(*x, a, b);
-        }
-    }
-    let mut s = _mm512_setzero_ps();
-    for x in acc {
-        s = _mm512_add_ps(s, x);
-    }
-    to_array_ps(s).iter().sum()
 }
 
 #[cfg(test)]

@@ -30,9 +30,10 @@ pub enum Error {
     #[error(transparent)]
     Engine(#[from] kvstack_engine::Error),
 
-    /// A codec or kernel refused its input.
-    #[error(transparent)]
-    Kernels(#[from] kvstack_kernels::Error),
+    /// A kernel refused a call: while building the synthetic inputs or in a measured call.
+    /// The harness builds valid inputs, so this is a bug in it or in the kernel.
+    #[error("a kernel call failed")]
+    Kernel(#[from] kvstack_kernels::Error),
 
     /// The codec refused values it was asked to encode.
     #[error("encoding {what}")]

@@ -11,7 +11,6 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
@@ -119,6 +118,9 @@ pub struct RawTensor<'a> {
     pub data: &'a [u8],
 }
 
+/// Most bytes of a safetensors header (its JSON table of tensors): the format's own limit.
+pub const MAX_HEADER_BYTES: u64 = 100_000_000;
+
 /// A memory-mapped safetensors file.
 pub struct TensorFile {
     path: PathBuf,
@@ -144,13 +146,46 @@ impl TensorFile {
             path: path.clone(),
             source,
         };
-        let file = File::open(&path).map_err(open_err)?;
+        let file = match kvstack_spec::files::open_regular(&path, u64::MAX) {
+            Ok((f, _)) => f,
+            Err(kvstack_spec::files::FileError::Io(e)) => return Err(open_err(e)),
+            Err(e) => {
+                return Err(Error::Format {
+                    path,
+                    reason: e.to_string(),
+                });
+            }
+        };
         // SAFETY: the map is read-only and private to this process; kvstack never writes
         // tensor files. A concurrent writer outside the process could change the bytes under
         // the map, which is the documented contract of every mmap-based loader: callers must
         // not modify weight or vector files while they are open. Every read below goes through
         // bounds-checked slices of the map.
         let map = unsafe { Mmap::map(&file) }.map_err(open_err)?;
+        // The header's length is checked before anything is parsed: its JSON is read into
+        // memory, and a corrupt length must not make that unbounded.
+        let declared = map
+            .get(..8)
+            .and_then(|b| <[u8; 8]>::try_from(b).ok())
+            .map(u64::from_le_bytes);
+        match declared {
+            None => {
+                return Err(Error::Format {
+                    path,
+                    reason: format!("{} bytes: too short for the header length", map.len()),
+                });
+            }
+            Some(n) if n > MAX_HEADER_BYTES || n > map.len() as u64 - 8 => {
+                return Err(Error::Format {
+                    path,
+                    reason: format!(
+                        "header length {n} exceeds the {} bytes after it or the {MAX_HEADER_BYTES}-byte limit",
+                        map.len() - 8
+                    ),
+                });
+            }
+            Some(_) => {}
+        }
         let (n, meta) = SafeTensors::read_metadata(&map).map_err(|e| Error::Format {
             path: path.clone(),
             reason: e.to_string(),

@@ -283,9 +283,19 @@ impl ModelConfig {
     /// Reads and parses a `config.json` file.
     pub fn from_file(path: impl AsRef<Path>) -> Result<ModelConfig> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
+        let bytes =
+            crate::files::read_regular(path, crate::files::MAX_CONFIG_BYTES).map_err(|source| {
+                Error::Io {
+                    path: path.to_path_buf(),
+                    source,
+                }
+            })?;
+        let text = String::from_utf8(bytes).map_err(|e| Error::Io {
             path: path.to_path_buf(),
-            source,
+            source: crate::files::FileError::Io(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("not UTF-8 text (at byte {})", e.utf8_error().valid_up_to()),
+            )),
         })?;
         Self::parse_text(&text, path)
     }

@@ -20,9 +20,9 @@ pub enum Error {
     Io {
         /// The file that was being read.
         path: PathBuf,
-        /// The underlying I/O error.
+        /// Why: an I/O error, not a regular file, or over the size limit.
         #[source]
-        source: std::io::Error,
+        source: crate::files::FileError,
     },
 
     /// The config text is not valid JSON.

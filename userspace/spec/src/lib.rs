@@ -9,6 +9,7 @@
 //!   the per-sequence constant, per-layer rows and the four levers, derived from the config and
 //!   the storage formats (`docs/cache-arithmetic.md`).
 //! - [`builtin`]: the embedded configs (DeepSeek-V4.1-Flash and the tiny model of `kvstack run`).
+//! - [`files`]: bounded reads of input files (regular files only, size limits).
 //!
 //! No I/O beyond reading a config file, no model weights: the paged cache, the tiers and the
 //! model all depend on this crate, never the other way.
@@ -17,6 +18,7 @@ pub mod builtin;
 pub mod calc;
 pub mod config;
 mod error;
+pub mod files;
 mod frac;
 pub mod plan;
 

@@ -1,42 +1,20 @@
-//! AVX2 + FMA kernels of the attention module.
+//! AVX2 + FMA kernels of the indexer scan: eight keys per tile with `vpmaddubsw`, and the scan
+//! loops (contiguous runs and gathered positions) that hand 16-key tiles to the VNNI kernels of
+//! [`super::avx512`] when the CPU has them.
 //!
 //! Every `pub(crate)` function is a `#[target_feature(enable = "avx2,fma")]` fn: callers hold
 //! a [`crate::level::Verified`] AVX2 level before calling. Loads and stores go through the
-//! helpers below, whose bounds come from array types; the micro-kernels over the f32 tiles use
-//! raw pointers whose bounds are checked once per call (see each SAFETY comment).
+//! helpers of [`crate::x86::avx2`], whose bounds come from array types.
 
 use core::arch::x86_64::*;
 
 use kvstack_firmware_interface::IndexMxfp4Entry;
-use kvstack_firmware_interface::element::E2M1_TIMES_TWO_I8;
 
-use super::Paged;
-use super::avx512::{SPREAD_LINES, TileLines, Vnni};
-use super::index::{IndexQuery, Prepared, score_exact};
-
-// ---------------------------------------------------------------------------------------------
-// Loads and stores with bounds from array types (any alignment).
-
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-fn ld_i(a: &[u8; 32]) -> __m256i {
-    // SAFETY: `a` is 32 readable bytes; `loadu` accepts any alignment.
-    unsafe { _mm256_loadu_si256(a.as_ptr().cast()) }
-}
-
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-fn st_i(a: &mut [u8; 32], v: __m256i) {
-    // SAFETY: `a` is 32 writable bytes borrowed mutably; `storeu` accepts any alignment.
-    unsafe { _mm256_storeu_si256(a.as_mut_ptr().cast(), v) }
-}
-
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-fn st_i32x8(a: &mut [i32; 8], v: __m256i) {
-    // SAFETY: `a` is 8 writable i32 (32 bytes) borrowed mutably; any alignment.
-    unsafe { _mm256_storeu_si256(a.as_mut_ptr().cast(), v) }
-}
+use super::tiles::{KEY_LANES, KEY_LUT, SPREAD_LINES, TILE_LINES, TileLines};
+use super::{IndexQuery, Prepared, score_exact};
+use crate::attn::Paged;
+use crate::level::Vnni;
+use crate::x86::avx2::{ld_ps, ld_si256, st_ps, st_si256};
 
 #[inline]
 #[target_feature(enable = "avx2,fma")]
@@ -45,32 +23,9 @@ fn ld_u32x8(a: &[u32; 8]) -> __m256i {
     unsafe { _mm256_loadu_si256(a.as_ptr().cast()) }
 }
 
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-fn st_f(a: &mut [f32; 8], v: __m256) {
-    // SAFETY: `a` is 8 writable f32 (32 bytes) borrowed mutably; any alignment.
-    unsafe { _mm256_storeu_ps(a.as_mut_ptr(), v) }
-}
-
 /// A 32-byte aligned value, so that vector loads of it never split a cache line.
 #[repr(C, align(32))]
 struct A32<T>(T);
-
-// ---------------------------------------------------------------------------------------------
-// Indexer: exact integer MXFP4 x MXFP4 dots, eight keys per tile.
-
-/// `2 * e2m1(code) + 12` (0..=24, as unsigned bytes) by 4-bit code, both 128-bit lanes: keys
-/// become the unsigned operand of `vpmaddubsw`; the `+ 12` is removed with [`Prepared::offsq`].
-const fn key_lut() -> [u8; 32] {
-    let mut t = [0u8; 32];
-    let mut i = 0;
-    while i < 32 {
-        t[i] = (E2M1_TIMES_TWO_I8[i % 16] + 12) as u8;
-        i += 1;
-    }
-    t
-}
-pub(crate) static KEY_LUT: [u8; 32] = key_lut();
 
 /// Transposes an 8 x 8 block: lane `e` of result `i` is lane `i` of `v[e]`.
 #[inline]
@@ -123,8 +78,8 @@ macro_rules! block_pair {
             let k0 = _mm256_set1_epi32(row[g % 4] as i32);
             let k1 = _mm256_set1_epi32(row[4 + g % 4] as i32);
             for r in 0..4 {
-                a0[r] = _mm256_add_epi16(a0[r], _mm256_maddubs_epi16(k0, ld_i(&q0[g][r])));
-                a1[r] = _mm256_add_epi16(a1[r], _mm256_maddubs_epi16(k1, ld_i(&q1[g][r])));
+                a0[r] = _mm256_add_epi16(a0[r], _mm256_maddubs_epi16(k0, ld_si256(&q0[g][r])));
+                a1[r] = _mm256_add_epi16(a1[r], _mm256_maddubs_epi16(k1, ld_si256(&q1[g][r])));
             }
         }
         let ones = _mm256_set1_epi16(1);
@@ -168,7 +123,7 @@ fn key_heads(p: &Prepared, kb: &[[u32; 8]; 4], sk: [f32; 4], x: &mut [__m256; 4]
 /// `vpmaddubsw`, exact) and summed in i16 over the block's eight groups (at most 4608 in
 /// magnitude); `vpmaddwd` widens to i32, the offset is removed, and the block scales are
 /// applied in f32 (exact, see [`IndexQuery`]). The heads are then weighted and summed in head
-/// order (see the [module documentation](super)).
+/// order (see the [module documentation](crate::attn)).
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 fn index_tile8(p: &Prepared, keys: &[&IndexMxfp4Entry; 8], out: &mut [f32; 8]) -> bool {
@@ -202,13 +157,13 @@ fn index_tile8(p: &Prepared, keys: &[&IndexMxfp4Entry; 8], out: &mut [f32; 8]) -
     let two = _mm256_set1_epi32(2);
     let mut sk = A32([[0f32; 8]; 4]);
     for (d, x) in sk.0.iter_mut().zip(e) {
-        st_f(
+        st_ps(
             d,
             _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_sub_epi32(x, two))),
         );
     }
 
-    let lut = ld_i(&KEY_LUT);
+    let lut = ld_si256(zerocopy::transmute_ref!(&KEY_LUT));
     let nib = _mm256_set1_epi8(0x0F);
     let zero = _mm256_setzero_ps();
     // Decoded keys, all eight first (so that no broadcast below waits on a recent store):
@@ -218,11 +173,11 @@ fn index_tile8(p: &Prepared, keys: &[&IndexMxfp4Entry; 8], out: &mut [f32; 8]) -
     for (k, kbe) in keys.iter().zip(kb.0.iter_mut()) {
         let v: &[[u8; 32]; 2] = zerocopy::transmute_ref!(&k.values);
         for (c, vc) in v.iter().enumerate() {
-            let pk = ld_i(vc);
+            let pk = ld_si256(vc);
             let lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(pk, nib));
             let hi = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16::<4>(pk), nib));
             for (d, x) in kbe.iter_mut().skip(2 * c).zip([lo, hi]) {
-                st_i(zerocopy::transmute_mut!(d), x);
+                st_si256(zerocopy::transmute_mut!(d), x);
             }
         }
     }
@@ -241,15 +196,8 @@ fn index_tile8(p: &Prepared, keys: &[&IndexMxfp4Entry; 8], out: &mut [f32; 8]) -
         }
     }
     let total = total.unwrap_or(zero);
-    st_f(out, total);
+    st_ps(out, total);
     true
-}
-
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-fn ld_ps(a: &[f32; 8]) -> __m256 {
-    // SAFETY: `a` is 8 readable f32 (32 bytes); `loadu` accepts any alignment.
-    unsafe { _mm256_loadu_ps(a.as_ptr()) }
 }
 
 /// How far ahead of the keys being scored the scan prefetches into L1, in bytes (32 keys,
@@ -292,7 +240,9 @@ impl<'a, const N: usize> Carry<'a, N> {
     fn flush(&mut self, q: &IndexQuery, out: &mut [f32]) {
         let n = self.n;
         self.n = 0;
+        // Slots fill in order, so the first holds a key unless the carry is empty.
         let Some(first) = self.keys[0].1 else {
+            debug_assert_eq!(n, 0, "a held key in a later slot only");
             return;
         };
         // A loop rather than `self.keys.map(..)`, which rustc left out of line.
@@ -322,7 +272,7 @@ fn score_tile<const N: usize>(
     vnni: Option<Vnni>,
     out: &mut [f32; N],
 ) {
-    const L: usize = super::avx512::KEY_LANES;
+    const L: usize = KEY_LANES;
     match vnni {
         Some(v) if N.is_multiple_of(L) => {
             for (k, o) in keys
@@ -354,9 +304,9 @@ fn score_tile<const N: usize>(
 #[target_feature(enable = "avx2,fma")]
 fn score16(
     q: &IndexQuery,
-    keys: &[&IndexMxfp4Entry; super::avx512::KEY_LANES],
+    keys: &[&IndexMxfp4Entry; KEY_LANES],
     v: Vnni,
-    out: &mut [f32; super::avx512::KEY_LANES],
+    out: &mut [f32; KEY_LANES],
     lines: Option<&TileLines>,
 ) {
     // SAFETY: a `Vnni` token exists only when this CPU has AVX-512 F/BW/VL and VNNI
@@ -395,12 +345,26 @@ const GATHER_BATCH: usize = 64;
 /// Keys scored between two prefetch steps of a gathered scan: one 16-key tile.
 const GATHER_STEP: usize = 16;
 // A step is one call of the VNNI kernels, which can take the step's prefetches.
-const _: () = assert!(GATHER_STEP == super::avx512::KEY_LANES);
+const _: () = assert!(GATHER_STEP == KEY_LANES);
 /// How many batches ahead a gathered scan resolves positions and touches each block's first
 /// line (about 3.5 us of scoring; 2 to 16 measured the same).
 const GATHER_FAR: usize = 3;
 /// Resolved batches a gathered scan holds: the one scored and those up to [`GATHER_FAR`].
 const GATHER_RING: usize = GATHER_FAR + 1;
+/// Tiles of a batch, one per prefetch step.
+const STEPS: usize = GATHER_BATCH / GATHER_STEP;
+
+/// The index of a tile in a batch, below [`STEPS`]: made only by [`Step::all`], so every
+/// batch has the tile of every `Step`.
+#[derive(Clone, Copy, Debug)]
+struct Step(usize);
+
+impl Step {
+    /// Every step of a batch, in order.
+    fn all() -> impl Iterator<Item = Step> {
+        (0..STEPS).map(Step)
+    }
+}
 
 /// Bits `d..d + n` of a batch's validity mask (`d + n <= GATHER_BATCH`).
 #[inline]
@@ -409,10 +373,11 @@ fn run_mask(d: usize, n: usize) -> u64 {
     ones.unwrap_or(0).checked_shl(d as u32).unwrap_or(0)
 }
 
-/// A batch of a gathered scan: `refs[i]` is the key of the batch's `i`-th position where bit
-/// `i` of `valid` is set; other slots hold a stand-in key, scored but never written out.
+/// A batch of a gathered scan, in tiles of [`GATHER_STEP`]: `refs[t][j]` is the key of the
+/// batch's position `i = GATHER_STEP * t + j` where bit `i` of `valid` is set; other slots hold
+/// a stand-in key, scored but never written out.
 struct Batch<'a> {
-    refs: [&'a IndexMxfp4Entry; GATHER_BATCH],
+    refs: [[&'a IndexMxfp4Entry; GATHER_STEP]; STEPS],
     valid: u64,
 }
 
@@ -420,7 +385,7 @@ impl<'a> Batch<'a> {
     /// A batch with no valid position.
     fn empty(stand_in: &'a IndexMxfp4Entry) -> Self {
         Batch {
-            refs: [stand_in; GATHER_BATCH],
+            refs: [[stand_in; GATHER_STEP]; STEPS],
             valid: 0,
         }
     }
@@ -445,7 +410,7 @@ impl<'a> Batch<'a> {
             // A whole pool block in one page: its 8 references at once, with no run lookup
             // (1.06-1.09x faster scans of a pool than the general path below, measured).
             if let Some(block) = Self::block(keys, visible, positions.get(i..i + 8))
-                && let Some(slots) = b.refs.get_mut(i..i + 8)
+                && let Some(slots) = b.refs.as_flattened_mut().get_mut(i..i + 8)
             {
                 slots.copy_from_slice(&block.each_ref());
                 b.valid |= run_mask(i, 8);
@@ -469,7 +434,7 @@ impl<'a> Batch<'a> {
             for (s, run) in keys.runs(start..start + len) {
                 let d = i + s - start;
                 let mut n = 0;
-                for (r, k) in b.refs.iter_mut().skip(d).zip(run) {
+                for (r, k) in b.refs.as_flattened_mut().iter_mut().skip(d).zip(run) {
                     *r = k;
                     n += 1;
                 }
@@ -501,14 +466,18 @@ impl<'a> Batch<'a> {
         keys.array::<8>(start)
     }
 
+    /// The keys of tile `step`.
+    #[inline]
+    fn tile(&self, step: Step) -> &[&'a IndexMxfp4Entry; GATHER_STEP] {
+        &self.refs[step.0]
+    }
+
     /// Prefetches into L1 the first line of each 8-key block (a pool block, spec §4) of tile
     /// `step`, and of its last key where the block crosses into another 4 KiB page.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    fn prefetch_blocks(&self, step: usize) {
-        let Some(tile) = self.refs.as_chunks::<GATHER_STEP>().0.get(step) else {
-            return;
-        };
+    fn prefetch_blocks(&self, step: Step) {
+        let tile = self.tile(step);
         for block in tile.as_chunks::<8>().0 {
             let first = std::ptr::from_ref(block[0]).cast::<i8>();
             let last = std::ptr::from_ref(block[7]).cast::<i8>();
@@ -528,10 +497,8 @@ impl<'a> Batch<'a> {
     /// too: branching on validity cost more than it saved.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    fn prefetch_step(&self, step: usize) {
-        let Some(tile) = self.refs.as_chunks::<GATHER_STEP>().0.get(step) else {
-            return;
-        };
+    fn prefetch_step(&self, step: Step) {
+        let tile = self.tile(step);
         for &k in tile {
             let p = std::ptr::from_ref(k).cast::<i8>();
             // A prefetch never faults and has no effect visible to Rust; both addresses lie
@@ -552,15 +519,13 @@ impl<'a> Batch<'a> {
     /// and the line of its last byte unless the previous key ended in it, entries up to
     /// [`SPREAD_LINES`] padded with the last line.
     #[inline]
-    fn tile_lines(&self, step: usize, lines: &mut TileLines) -> usize {
+    fn tile_lines(&self, step: Step, lines: &mut TileLines) -> usize {
         const HALF: usize = GATHER_STEP / 2;
         /// Lines per half in the pool case: a run of 8 keys spans at most 10 lines.
         const PER: usize = SPREAD_LINES / 2;
         const _: () = assert!((63 + HALF * IndexMxfp4Entry::BYTES).div_ceil(64) <= PER);
         let line_of = |a: *const i8| a.wrapping_sub(a.addr() % 64);
-        let Some(tile) = self.refs.as_chunks::<GATHER_STEP>().0.get(step) else {
-            return 0;
-        };
+        let tile = self.tile(step);
         // Each half's first byte and last byte.
         let bounds = |half: &[&IndexMxfp4Entry; HALF]| {
             let first = std::ptr::from_ref(half[0]).cast::<i8>();
@@ -642,7 +607,10 @@ pub(crate) fn score_positions<'k>(
     vnni: Option<Vnni>,
     out: &mut [f32],
 ) {
+    // `super::gather` returns an error for any other length.
+    debug_assert_eq!(out.len(), positions.len(), "one score per position");
     let visible = visible.min(keys.len());
+    // No visible key: every position is invalid, and `out` stays as the caller filled it.
     let Some(stand_in) = keys.get(0).filter(|_| visible > 0) else {
         return;
     };
@@ -661,7 +629,7 @@ pub(crate) fn score_positions<'k>(
     for b in 0..GATHER_FAR.min(n_batches) {
         let batch = &mut ring[b % GATHER_RING];
         resolve(batch, b);
-        for step in 0..GATHER_BATCH / GATHER_STEP {
+        for step in Step::all() {
             batch.prefetch_blocks(step);
             if b == 0 {
                 batch.prefetch_step(step);
@@ -683,15 +651,11 @@ pub(crate) fn score_positions<'k>(
         let far = (b + GATHER_FAR < n_batches).then(|| &ring[(b + GATHER_FAR) % GATHER_RING]);
         let score = |dst: &mut [f32]| {
             // Filled per tile by `tile_lines`; kept across tiles, not rebuilt.
-            let mut lines: TileLines = [std::ptr::null(); super::avx512::TILE_LINES];
-            let steps = cur
-                .refs
-                .as_chunks::<GATHER_STEP>()
-                .0
-                .iter()
-                .zip(dst.as_chunks_mut::<GATHER_STEP>().0)
-                .enumerate();
-            for (step, (t, st)) in steps {
+            let mut lines: TileLines = [std::ptr::null(); TILE_LINES];
+            let steps = Step::all()
+                .zip(&cur.refs)
+                .zip(dst.as_chunks_mut::<GATHER_STEP>().0);
+            for ((step, t), st) in steps {
                 if let Some(f) = far {
                     f.prefetch_blocks(step);
                 }
@@ -741,7 +705,7 @@ pub(crate) fn score_runs<'a>(
     out: &mut [f32],
 ) {
     if vnni.is_some() {
-        score_runs_n::<{ super::avx512::KEY_LANES }>(q, runs, vnni, out);
+        score_runs_n::<{ KEY_LANES }>(q, runs, vnni, out);
     } else {
         score_runs_n::<8>(q, runs, vnni, out);
     }
@@ -790,368 +754,6 @@ fn score_runs_n<'a, const N: usize>(
         }
     }
     carry.flush(q, out);
-}
-
-// ---------------------------------------------------------------------------------------------
-// Sparse attention: f32 tiles of dequantized entries shared by all heads.
-
-use super::HEAD_DIM;
-use super::sparse::{KvRow, LOGIT_SCALE, Partial, Prep};
-use super::tile::{Row512, flat, flat_mut, zeroed};
-
-/// Entries per tile: a multiple of the logit kernel's 6 rows; 48 rows of 2 KiB stay in L2
-/// together with the queries and the output.
-const TILE: usize = 48;
-/// Channels per pass of the logit kernel: its slice of the transposed queries (16 heads x
-/// `DC` x 4 B) and of the tile (48 x `DC` x 4 B) fit in L1 together.
-const DC: usize = 64;
-
-/// `e^x` for 8 lanes: `x = n ln2 + r` with `|r| <= ln2 / 2` (`ln2` split in two for an exact
-/// `n ln2`), a degree-7 polynomial for `e^r` (relative error about 1e-7), times `2^n` built in
-/// the exponent bits. Below -87.3 (including `-inf`) the result is 0; NaN propagates.
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-fn exp_ps(x: __m256) -> __m256 {
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    const C: [f32; 6] = [
-        1.987_569_1e-4,
-        1.398_199_9e-3,
-        8.333_452e-3,
-        4.166_579_6e-2,
-        0.166_666_65,
-        0.5,
-    ];
-    // Operand order keeps NaN: `min_ps(a, b)` returns `b` when either is NaN.
-    let x = _mm256_min_ps(_mm256_set1_ps(88.0), x);
-    let tiny = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(-87.3));
-    let x = _mm256_max_ps(_mm256_set1_ps(-87.3), x);
-    let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
-        x,
-        _mm256_set1_ps(std::f32::consts::LOG2_E),
-    ));
-    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x);
-    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
-    let mut y = _mm256_set1_ps(C[0]);
-    for &c in &C[1..] {
-        y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(c));
-    }
-    let y = _mm256_fmadd_ps(
-        y,
-        _mm256_mul_ps(r, r),
-        _mm256_add_ps(r, _mm256_set1_ps(1.0)),
-    );
-    let pow = _mm256_slli_epi32::<23>(_mm256_add_epi32(
-        _mm256_cvtps_epi32(n),
-        _mm256_set1_epi32(127),
-    ));
-    let v = _mm256_mul_ps(y, _mm256_castsi256_ps(pow));
-    _mm256_andnot_ps(tiny, v)
-}
-
-/// Dequantizes one attended entry into `out`.
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-fn dequantize_row(row: &KvRow<'_>, out: &mut Row512) {
-    let out = std::slice::from_mut(&mut out.0);
-    match row {
-        KvRow::Fp8(e) => crate::x86::avx2::dequantize_fp8(std::slice::from_ref(*e), out),
-        KvRow::Fp4(e) => crate::x86::avx2::dequantize_fp4(std::slice::from_ref(*e), out),
-    }
-}
-
-/// Logits of 6 entries x 16 heads over channels `d0..d0 + dc`: `s[j][h0..h0+16] (+)=
-/// sum_d kt[j0 + j][d] * qt[d][h0..h0+16]`. Twelve accumulators, two query vectors and one
-/// broadcast key value live in the 16 registers; per channel 2 vector loads and 6 broadcasts
-/// feed 12 FMAs.
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-fn qk_6x16(
-    kt: &[Row512],
-    j0: usize,
-    qt: &[f32],
-    hp: usize,
-    h0: usize,
-    d0: usize,
-    dc: usize,
-    accumulate: bool,
-    s: &mut [f32],
-) {
-    let ok = j0 + 6 <= kt.len()
-        && d0 + dc <= HEAD_DIM
-        && h0 + 16 <= hp
-        && qt.len() >= HEAD_DIM * hp
-        && s.len() >= (j0 + 6) * hp;
-    debug_assert!(ok, "qk_6x16 bounds");
-    if !ok {
-        return;
-    }
-    let mut acc = [[_mm256_setzero_ps(); 2]; 6];
-    // SAFETY: checked above: rows j0..j0+6 exist (Row512 is exactly 512 f32 without padding,
-    // so rows are contiguous at stride 512); channels d0..d0+dc are inside each row; qt holds
-    // 512 rows of hp values and columns h0..h0+16 are inside a row; s holds rows j0..j0+6 of
-    // hp values. `loadu`/`storeu` accept any alignment.
-    unsafe {
-        let srow = s.as_mut_ptr().add(j0 * hp + h0);
-        if accumulate {
-            for (j, a) in acc.iter_mut().enumerate() {
-                a[0] = _mm256_loadu_ps(srow.add(j * hp));
-                a[1] = _mm256_loadu_ps(srow.add(j * hp + 8));
-            }
-        }
-        let mut kp = kt.as_ptr().add(j0).cast::<f32>().add(d0);
-        let mut qp = qt.as_ptr().add(d0 * hp + h0);
-        for _ in 0..dc {
-            let q0 = _mm256_loadu_ps(qp);
-            let q1 = _mm256_loadu_ps(qp.add(8));
-            for (j, a) in acc.iter_mut().enumerate() {
-                let k = _mm256_broadcast_ss(&*kp.add(j * HEAD_DIM));
-                a[0] = _mm256_fmadd_ps(k, q0, a[0]);
-                a[1] = _mm256_fmadd_ps(k, q1, a[1]);
-            }
-            kp = kp.add(1);
-            qp = qp.add(hp);
-        }
-        for (j, a) in acc.iter().enumerate() {
-            _mm256_storeu_ps(srow.add(j * hp), a[0]);
-            _mm256_storeu_ps(srow.add(j * hp + 8), a[1]);
-        }
-    }
-}
-
-/// `o[h][d0..d0+16] = alpha[h] * o[h][..] + sum_j p[j][h] * kt[j][d0..d0+16]` for heads
-/// `h0..h0 + MR` (MR <= 6): 2 MR accumulators, two value vectors and one broadcast weight.
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-fn pv_kernel<const MR: usize>(
-    kt: &[Row512],
-    n: usize,
-    p: &[f32],
-    hp: usize,
-    h0: usize,
-    d0: usize,
-    alpha: &[f32],
-    o: &mut [f32],
-) {
-    let ok = n <= kt.len()
-        && h0 + MR <= hp
-        && d0 + 16 <= HEAD_DIM
-        && p.len() >= n * hp
-        && alpha.len() >= hp
-        && o.len() >= hp * HEAD_DIM;
-    debug_assert!(ok, "pv_kernel bounds");
-    if !ok {
-        return;
-    }
-    let mut acc = [[_mm256_setzero_ps(); 2]; MR];
-    // SAFETY: checked above: heads h0..h0+MR are rows of o (hp x 512) and entries of alpha;
-    // channels d0..d0+16 are inside a row; rows 0..n of kt and of p (n x hp) exist.
-    unsafe {
-        let orow = o.as_mut_ptr().add(h0 * HEAD_DIM + d0);
-        for (i, a) in acc.iter_mut().enumerate() {
-            let al = _mm256_broadcast_ss(&*alpha.as_ptr().add(h0 + i));
-            a[0] = _mm256_mul_ps(_mm256_loadu_ps(orow.add(i * HEAD_DIM)), al);
-            a[1] = _mm256_mul_ps(_mm256_loadu_ps(orow.add(i * HEAD_DIM + 8)), al);
-        }
-        let mut kp = kt.as_ptr().cast::<f32>().add(d0);
-        let mut pp = p.as_ptr().add(h0);
-        for _ in 0..n {
-            let v0 = _mm256_loadu_ps(kp);
-            let v1 = _mm256_loadu_ps(kp.add(8));
-            for (i, a) in acc.iter_mut().enumerate() {
-                let w = _mm256_broadcast_ss(&*pp.add(i));
-                a[0] = _mm256_fmadd_ps(w, v0, a[0]);
-                a[1] = _mm256_fmadd_ps(w, v1, a[1]);
-            }
-            kp = kp.add(HEAD_DIM);
-            pp = pp.add(hp);
-        }
-        for (i, a) in acc.iter().enumerate() {
-            _mm256_storeu_ps(orow.add(i * HEAD_DIM), a[0]);
-            _mm256_storeu_ps(orow.add(i * HEAD_DIM + 8), a[1]);
-        }
-    }
-}
-
-/// Online softmax step for one tile of `n` logit rows (`s`, `n x hp`, overwritten with the
-/// weights `p = e^(s * 512^-0.5 - m_new)`): new running maxima, rescale factors
-/// `alpha = e^(m_old - m_new)` (0 for the empty initial state) and denominators.
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-fn softmax_tile(
-    s: &mut [f32],
-    n: usize,
-    hp: usize,
-    m: &mut [f32],
-    l: &mut [f32],
-    alpha: &mut [f32],
-) {
-    let c = _mm256_set1_ps(LOGIT_SCALE);
-    for hv in (0..hp).step_by(8) {
-        let (Some(mv), Some(lv), Some(av)) = (
-            m.get_mut(hv..hv + 8),
-            l.get_mut(hv..hv + 8),
-            alpha.get_mut(hv..hv + 8),
-        ) else {
-            return;
-        };
-        let (Ok(mv), Ok(lv), Ok(av)) = (
-            <&mut [f32; 8]>::try_from(mv),
-            <&mut [f32; 8]>::try_from(lv),
-            <&mut [f32; 8]>::try_from(av),
-        ) else {
-            return;
-        };
-        let mut mt = _mm256_set1_ps(f32::NEG_INFINITY);
-        for j in 0..n {
-            if let Some(x) = s.get_mut(j * hp + hv..j * hp + hv + 8)
-                && let Ok(x) = <&mut [f32; 8]>::try_from(x)
-            {
-                let v = _mm256_mul_ps(ld_ps(x), c);
-                st_f(x, v);
-                mt = _mm256_max_ps(mt, v);
-            }
-        }
-        let mo = ld_ps(mv);
-        let mn = _mm256_max_ps(mo, mt);
-        let a = exp_ps(_mm256_sub_ps(mo, mn));
-        let mut sum = _mm256_setzero_ps();
-        for j in 0..n {
-            if let Some(x) = s.get_mut(j * hp + hv..j * hp + hv + 8)
-                && let Ok(x) = <&mut [f32; 8]>::try_from(x)
-            {
-                let p = exp_ps(_mm256_sub_ps(ld_ps(x), mn));
-                st_f(x, p);
-                sum = _mm256_add_ps(sum, p);
-            }
-        }
-        st_f(lv, _mm256_fmadd_ps(ld_ps(lv), a, sum));
-        st_f(mv, mn);
-        st_f(av, a);
-    }
-}
-
-/// Prefetches every cache line of an entry (into all levels).
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-fn prefetch_row(row: &KvRow<'_>) {
-    let (p, len) = row.bytes();
-    for off in (0..len).step_by(64) {
-        // A prefetch never faults and has no effect visible to Rust; the address is inside
-        // the entry, computed with wrapping arithmetic and never dereferenced.
-        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off).cast());
-    }
-}
-
-/// Attends `rows` into `st`, tile by tile: dequantize (once for all heads), logits, online
-/// softmax, `P . V`.
-#[target_feature(enable = "avx2,fma")]
-pub(crate) fn attend(prep: &Prep<'_>, rows: &[KvRow<'_>], st: &mut Partial) {
-    let hp = prep.hp;
-    let qt = flat(&prep.qt);
-    let mut kt = vec![Row512([0.0; HEAD_DIM]); TILE];
-    let mut sv = zeroed(TILE * hp);
-    let s = flat_mut(&mut sv);
-    let mut alpha = vec![0f32; hp];
-    let o = flat_mut(&mut st.o);
-    let tiles = rows.chunks(TILE);
-    let mut next = rows.chunks(TILE).skip(1);
-    for tile in tiles {
-        if let Some(nt) = next.next() {
-            for r in nt {
-                prefetch_row(r);
-            }
-        }
-        let n = tile.len();
-        let np = n.next_multiple_of(6);
-        for (r, k) in tile.iter().zip(kt.iter_mut()) {
-            dequantize_row(r, k);
-        }
-        // Padding rows are zero: their logits are computed but never used.
-        for k in kt.iter_mut().take(np).skip(n) {
-            k.0.fill(0.0);
-        }
-        for h0 in (0..hp).step_by(16) {
-            for d0 in (0..HEAD_DIM).step_by(DC) {
-                for j0 in (0..np).step_by(6) {
-                    qk_6x16(&kt, j0, qt, hp, h0, d0, DC, d0 > 0, s);
-                }
-            }
-        }
-        softmax_tile(s, n, hp, &mut st.m, &mut st.l, &mut alpha);
-        for d0 in (0..HEAD_DIM).step_by(16) {
-            let mut h0 = 0;
-            while h0 < hp {
-                match hp - h0 {
-                    1 => pv_kernel::<1>(&kt, n, s, hp, h0, d0, &alpha, o),
-                    2 => pv_kernel::<2>(&kt, n, s, hp, h0, d0, &alpha, o),
-                    3 => pv_kernel::<3>(&kt, n, s, hp, h0, d0, &alpha, o),
-                    4 => pv_kernel::<4>(&kt, n, s, hp, h0, d0, &alpha, o),
-                    5 => pv_kernel::<5>(&kt, n, s, hp, h0, d0, &alpha, o),
-                    _ => pv_kernel::<6>(&kt, n, s, hp, h0, d0, &alpha, o),
-                }
-                h0 += 6;
-            }
-        }
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Peak loops for the benchmark: register-resident, no memory traffic.
-
-/// Independent FMA chains per loop iteration: two FMA pipes with a 4-5 cycle latency need at
-/// least 10 chains in flight; 12 fit the register file with the two constant operands.
-const CHAINS: usize = 12;
-
-/// `iters` iterations of 12 independent 8-lane FMAs (`12 * 16` FLOP each). Returns a value
-/// derived from the accumulators so that the work cannot be elided.
-#[target_feature(enable = "avx2,fma")]
-pub(crate) fn fma_peak(iters: u64, seed: f32) -> f32 {
-    let a = _mm256_set1_ps(0.999_999);
-    let b = _mm256_set1_ps(1e-7);
-    let mut acc = [_mm256_set1_ps(seed); CHAINS];
-    for (i, x) in acc.iter_mut().enumerate() {
-        *x = _mm256_add_ps(*x, _mm256_set1_ps(i as f32));
-    }
-    for _ in 0..iters {
-        for x in acc.iter_mut() {
-            *x = _mm256_fmadd_ps(*x, a, b);
-        }
-    }
-    let mut s = _mm256_setzero_ps();
-    for x in acc {
-        s = _mm256_add_ps(s, x);
-    }
-    let mut out = [0f32; 8];
-    st_f(&mut out, s);
-    out.iter().sum()
-}
-
-/// `iters` iterations of 12 independent `vpmaddubsw` + `vpaddw` pairs (32 multiply-adds of
-/// 8-bit integers each), the instruction mix of the indexer's inner loop. Each chain feeds its
-/// own result back as the next unsigned operand, so nothing can be hoisted.
-#[target_feature(enable = "avx2,fma")]
-pub(crate) fn int8_peak(iters: u64, seed: i32) -> i32 {
-    let q = _mm256_set1_epi8(3);
-    let d = _mm256_set1_epi16(1);
-    let mut acc = [_mm256_set1_epi32(seed); CHAINS];
-    for (i, x) in acc.iter_mut().enumerate() {
-        *x = _mm256_add_epi32(*x, _mm256_set1_epi32(i as i32));
-    }
-    for _ in 0..iters {
-        for x in acc.iter_mut() {
-            *x = _mm256_add_epi16(_mm256_maddubs_epi16(*x, q), d);
-        }
-    }
-    let mut s = _mm256_setzero_si256();
-    for x in acc {
-        s = _mm256_add_epi32(s, x);
-    }
-    let mut out = [0i32; 8];
-    st_i32x8(&mut out, s);
-    out.iter().fold(0i32, |a, &b| a.wrapping_add(b))
 }
 
 /// Whether the integer kernel accepts a tile (tests check that realistic keys never fall back
@@ -1210,12 +812,13 @@ mod tests {
             .collect();
         let stand_in = keys.get(0).unwrap();
         let mut batch = Batch::empty(stand_in);
-        let mut lines: TileLines = [std::ptr::null(); super::super::avx512::TILE_LINES];
+        let mut lines: TileLines = [std::ptr::null(); TILE_LINES];
         let (mut run_tiles, mut spans) = (0, std::collections::BTreeSet::new());
         for (which, positions) in [first, second].iter().enumerate() {
             batch.resolve(keys, keys.len(), positions, stand_in);
-            for (step, tile) in batch.refs.as_chunks::<GATHER_STEP>().0.iter().enumerate() {
-                let at = format!("batch {which} tile {step}");
+            for step in Step::all() {
+                let tile = batch.tile(step);
+                let at = format!("batch {which} tile {}", step.0);
                 let mut want: Vec<usize> = Vec::new();
                 for k in tile {
                     for line in key_lines(k) {

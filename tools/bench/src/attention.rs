@@ -23,8 +23,7 @@
 //! and selection are not counted. Every time is the best of the repetitions (the median is
 //! reported too). Threads are the caller plus rayon's pool, for the cases and the limit probes
 //! alike, so a timed call finds the pool's workers awake, as the stages of a decode step leave
-//! them; the first call after the pool has idled pays a wake-up on top (0.1-0.4 ms for a
-//! parked vCPU on the VMs measured).
+//! them; the first call after the pool has idled pays the wake-up of a parked worker on top.
 //!
 //! Limits, per thread count: memory read bandwidth (a vectorized sum over a 256 MiB buffer split
 //! between the threads), the f32 FMA peak (12 independent FMA chains in registers per thread)
@@ -42,15 +41,17 @@ use std::fmt;
 use std::hint::black_box;
 use std::time::Instant;
 
-use kvstack_firmware_interface::{EntryFormat, GlobalFp4Entry, IndexMxfp4Entry, WindowFp8Entry};
+use kvstack_kernels::attn::{
+    HEAD_DIM, HEADS, INDEX_DIM, INDEX_HEADS, IndexQuery, POOL_BLOCK, POOL_BLOCKS, Paged,
+    SparseAttnInput, TOPK, WINDOW, candidate_blocks, indexer_scores_at_with, indexer_scores_with,
+    sparse_attention_decode_with, topk, topk_positions,
+};
+use kvstack_kernels::peak::{Int8Kernel, Peaks};
+use kvstack_kernels::{EntryFormat, GlobalFp4Entry, IndexMxfp4Entry, SimdLevel, WindowFp8Entry};
 use zerocopy::{FromBytes, IntoBytes};
 
-use super::{
-    HEAD_DIM, HEADS, INDEX_DIM, INDEX_HEADS, IndexQuery, POOL_BLOCK, POOL_BLOCKS, Paged,
-    SparseAttnInput, TOPK, WINDOW,
-};
-use crate::level::Verified;
-use crate::{SimdLevel, detected_level};
+use crate::Result;
+use crate::rng::Rng;
 
 /// What to run.
 #[derive(Debug, Clone)]
@@ -162,7 +163,7 @@ pub struct CaseResult {
     pub bound: Bound,
     /// Ideal time under the binding limit over the measured time.
     pub ratio: f64,
-    /// Target ratio, for the rows the issue sets one for.
+    /// Target ratio, for the rows that have one (the indexer scans and the sparse attention).
     pub target: Option<f64>,
 }
 
@@ -198,39 +199,13 @@ impl AttentionBenchReport {
 /// Target ratio of the indexer scan and the sparse attention.
 const TARGET: f64 = 0.5;
 
-/// xorshift64: deterministic synthetic data without dependencies.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-
-    /// Uniform in `[-0.5, 0.5)`.
-    fn uniform(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-    }
-
-    /// Roughly normal with standard deviation about `0.58 * scale`.
-    fn normal(&mut self, scale: f32) -> f32 {
-        (self.uniform() + self.uniform() + self.uniform() + self.uniform()) * scale
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-}
-
 /// `total` entries of `format`: `distinct` random rows quantized by the codecs, repeated.
 fn entries<E: FromBytes + IntoBytes + Clone>(
     format: EntryFormat,
     distinct: usize,
     total: usize,
     rng: &mut Rng,
-) -> Result<Vec<E>, crate::Error> {
+) -> Result<Vec<E>, kvstack_kernels::Error> {
     let distinct = distinct.min(total).max(1);
     let mut x = Vec::with_capacity(distinct * format.dim());
     for _ in 0..distinct {
@@ -239,7 +214,7 @@ fn entries<E: FromBytes + IntoBytes + Clone>(
         x.extend((0..format.dim()).map(|_| rng.normal(2.0 * s)));
     }
     let mut base = vec![E::new_zeroed(); distinct];
-    crate::quantize(format, &x, base.as_mut_bytes())?;
+    kvstack_kernels::quantize(format, &x, base.as_mut_bytes())?;
     let mut v = Vec::with_capacity(total);
     while v.len() < total {
         let take = (total - v.len()).min(base.len());
@@ -250,9 +225,9 @@ fn entries<E: FromBytes + IntoBytes + Clone>(
 
 /// Cache entries in memory like the runtime's page pool holds them: an anonymous mapping
 /// advised for transparent huge pages (the driver's `GrowableRegion` does the same), so that a
-/// random entry costs a DRAM access and not also a walk of 4 KiB page tables (on the VMs
-/// measured, a Reindex pool over a 1M-entry cache in 4 KiB pages took about 1.4x longer to
-/// score). Falls back to the heap, with a note, where the mapping or the advice fails.
+/// random entry costs a DRAM access and not also a walk of 4 KiB page tables, which would add
+/// to the gathered scans what the runtime does not pay. Falls back to the heap, with a note,
+/// where the mapping or the advice fails.
 enum CacheMemory<E> {
     Mapped(memmap2::MmapMut, std::marker::PhantomData<E>),
     Heap(Vec<E>),
@@ -296,12 +271,11 @@ impl<E: FromBytes + IntoBytes + zerocopy::Immutable + zerocopy::KnownLayout> Cac
 
 /// Runs `f(i)` on `threads` threads at once: the caller and rayon's pool, the threads the
 /// kernels run on. The probe thus leaves the pool's workers as a decode step leaves them
-/// between its stages (awake), rather than parked while fresh OS threads ran the probe: on a
-/// VM, waking a parked worker on an idle vCPU takes 0.1-0.4 ms, which a single timed call
-/// after an OS-thread probe would otherwise pay every time.
+/// between its stages (awake), rather than parked while fresh OS threads ran the probe, so a
+/// timed call does not pay a worker's wake-up that a decode step would not.
 fn on_threads(threads: usize, f: impl Fn(usize) + Sync) {
     let f = &f;
-    crate::par::run_tasks((0..threads.max(1)).map(|i| move || f(i)));
+    kvstack_kernels::par::run_tasks((0..threads.max(1)).map(|i| move || f(i)));
 }
 
 /// Reads every cache line of the pool's keys (blocks of [`POOL_BLOCK`] consecutive
@@ -330,49 +304,10 @@ fn read_pool(keys: Paged<'_, IndexMxfp4Entry>, pool: &[i32], threads: usize) -> 
     total.into_inner()
 }
 
-fn read_sum(level: Verified, bytes: &[u8]) -> u64 {
-    match level.level() {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: `level` is `Verified` as AVX2 or AVX-512 (which includes AVX2 and FMA), so
-        // this CPU has AVX2 and FMA. A read stream is memory-bound at either width.
-        SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { crate::x86::avx2::read_sum(bytes) },
-        _ => crate::portable::read_sum(bytes),
-    }
-}
-
-/// Portable FMA-peak stand-in: 12 chains of 8-lane multiply-add (two roundings; the portable
-/// path has no fused multiply-add).
-fn fma_peak_portable(iters: u64, seed: f32) -> f32 {
-    let mut acc = [[seed; 8]; 12];
-    for _ in 0..iters {
-        for a in acc.iter_mut() {
-            for x in a.iter_mut() {
-                *x = *x * 0.999_999 + 1e-7;
-            }
-        }
-    }
-    acc.iter().flatten().sum()
-}
-
-/// FLOPs per iteration of the peak loops: 12 chains x 8 lanes x 2 (the portable and AVX2
-/// loops; the AVX-512 loop has 16 lanes, see [`peak_flops_per_iter`]).
-const PEAK_FLOPS_PER_ITER: f64 = 12.0 * 8.0 * 2.0;
-
-/// FLOPs per iteration of the level's FMA peak loop.
-fn peak_flops_per_iter(level: SimdLevel) -> f64 {
-    match level {
-        SimdLevel::Avx512 => 2.0 * PEAK_FLOPS_PER_ITER,
-        _ => PEAK_FLOPS_PER_ITER,
-    }
-}
-/// Multiply-adds per iteration of the AVX2 integer peak loop: 12 chains x 32 (the VNNI loop
-/// does twice as many: 12 chains x 64).
-const INT8_MACS_PER_ITER: f64 = 12.0 * 32.0;
-
 /// The limit probes of one thread count. Each probe returns the rate it measured and keeps
 /// the best one seen in [`Probes::best`].
 struct Probes<'a> {
-    level: Verified,
+    peaks: Peaks,
     threads: usize,
     mem: &'a [u8],
     iters: u64,
@@ -387,9 +322,9 @@ struct Local {
 }
 
 impl<'a> Probes<'a> {
-    fn new(level: Verified, threads: usize, mem: &'a [u8], iters: u64) -> Self {
+    fn new(peaks: Peaks, threads: usize, mem: &'a [u8], iters: u64) -> Self {
         Probes {
-            level,
+            peaks,
             threads,
             mem,
             iters,
@@ -404,14 +339,14 @@ impl<'a> Probes<'a> {
 
     /// Memory read bandwidth, GB/s: the threads sum disjoint parts of the buffer.
     fn read(&mut self) -> f64 {
-        let (level, mem, t) = (self.level, self.mem, self.threads);
+        let (peaks, mem, t) = (self.peaks, self.mem, self.threads);
         let chunk = mem.len().div_ceil(t).max(1);
         let s = Instant::now();
         on_threads(t, |i| {
             let part = mem
                 .get(i * chunk..((i + 1) * chunk).min(mem.len()))
                 .unwrap_or_default();
-            black_box(read_sum(level, black_box(part)));
+            black_box(peaks.read_sum(black_box(part)));
         });
         let r = mem.len() as f64 / s.elapsed().as_secs_f64() / 1e9;
         self.best.read_gb_per_s = self.best.read_gb_per_s.max(r);
@@ -420,58 +355,26 @@ impl<'a> Probes<'a> {
 
     /// The compute peaks, GFLOP/s: every thread runs the FMA loop, then the integer loop.
     fn compute(&mut self) -> Local {
-        let (level, iters, t) = (self.level, self.iters, self.threads);
+        let (peaks, iters, t) = (self.peaks, self.iters, self.threads);
         let s = Instant::now();
         on_threads(t, |i| {
-            let v = match level.level() {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: `level` is `Verified` as AVX2, so this CPU has AVX2 and FMA.
-                SimdLevel::Avx2 => unsafe { super::avx2::fma_peak(black_box(iters), i as f32) },
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: `level` is `Verified` as AVX-512, so this CPU has AVX-512 F/BW/VL.
-                SimdLevel::Avx512 => unsafe {
-                    crate::x86::avx512::fma_peak(black_box(iters), i as f32)
-                },
-                _ => fma_peak_portable(black_box(iters), i as f32),
-            };
-            black_box(v);
+            black_box(peaks.fma(black_box(iters), i as f32));
         });
-        let fma = peak_flops_per_iter(level.level()) * (iters * t as u64) as f64
+        let fma = peaks.fma_flops_per_iter() as f64 * (iters * t as u64) as f64
             / s.elapsed().as_secs_f64()
             / 1e9;
-        #[cfg(target_arch = "x86_64")]
-        let vnni = super::avx512::Vnni::detect(level);
-        #[cfg(not(target_arch = "x86_64"))]
-        let vnni: Option<()> = None;
-        let int8 = match (level.level(), vnni) {
-            // The indexer's kernel at this level is the VNNI one: its peak is `vpdpbusd`'s.
-            #[cfg(target_arch = "x86_64")]
-            (SimdLevel::Avx512, Some(_)) => {
+        // The peak of the instruction the indexer's kernel runs at this level on this CPU.
+        let int8 = match peaks.int8_kernel() {
+            Some(kernel) => {
                 let s = Instant::now();
                 on_threads(t, |i| {
-                    // SAFETY: a `Vnni` token exists only when this CPU has AVX-512 F/BW/VL
-                    // and VNNI.
-                    let v = unsafe { super::avx512::int8_peak_vnni(black_box(iters), i as i32) };
-                    black_box(v);
+                    black_box(peaks.int8(black_box(iters), i as i32));
                 });
-                2.0 * 2.0 * INT8_MACS_PER_ITER * (iters * t as u64) as f64
+                2.0 * kernel.macs_per_iter() as f64 * (iters * t as u64) as f64
                     / s.elapsed().as_secs_f64()
                     / 1e9
             }
-            #[cfg(target_arch = "x86_64")]
-            (SimdLevel::Avx2 | SimdLevel::Avx512, _) => {
-                let s = Instant::now();
-                on_threads(t, |i| {
-                    // SAFETY: `level` is `Verified` as AVX2 or AVX-512, so this CPU has AVX2
-                    // and FMA.
-                    let v = unsafe { super::avx2::int8_peak(black_box(iters), i as i32) };
-                    black_box(v);
-                });
-                2.0 * INT8_MACS_PER_ITER * (iters * t as u64) as f64
-                    / s.elapsed().as_secs_f64()
-                    / 1e9
-            }
-            _ => 0.0,
+            None => 0.0,
         };
         self.best.fma_gflop_per_s = self.best.fma_gflop_per_s.max(fma);
         self.best.int8_gflop_per_s = self.best.int8_gflop_per_s.max(int8);
@@ -603,20 +506,11 @@ fn random_pool(rng: &mut Rng, n: usize) -> Vec<i32> {
 ///
 /// # Errors
 ///
-/// Any [`super::AttnError`] a measured call returns.
-pub fn run_attention_bench(
-    opts: &AttentionBenchOptions,
-) -> Result<AttentionBenchReport, super::AttnError> {
+/// [`crate::Error::Kernel`] with the first error a kernel call returned.
+pub fn run_attention_bench(opts: &AttentionBenchOptions) -> Result<AttentionBenchReport> {
     let mut notes = Vec::new();
-    let level = match opts.level.map(Verified::new) {
-        None => Verified::detected(),
-        Some(Ok(v)) => v,
-        Some(Err(e)) => {
-            notes.push(format!("{e}; ran {} instead", detected_level()));
-            Verified::detected()
-        }
-    };
-    let lv = level.level();
+    let peaks = crate::peaks_for(opts.level, &mut notes);
+    let lv = peaks.level();
     let reps = opts.repetitions.max(1);
     let n_max: usize = if opts.quick { 1 << 17 } else { 1 << 20 };
     let full_sizes: &[(&'static str, usize)] = if opts.quick {
@@ -677,8 +571,8 @@ pub fn run_attention_bench(
     let mut results = Vec::new();
     let attn_bytes = (WINDOW * WindowFp8Entry::BYTES + TOPK * GlobalFp4Entry::BYTES) as u64;
     let attn_flops = (WINDOW + TOPK) as u64 * ATTN_FLOPS_PER_ROW;
-    let mut err: Option<super::AttnError> = None;
-    let mut keep = |r: Result<(), super::AttnError>| {
+    let mut err: Option<kvstack_kernels::Error> = None;
+    let mut keep = |r: Result<(), kvstack_kernels::Error>| {
         if let Err(e) = r {
             err.get_or_insert(e);
         }
@@ -686,13 +580,13 @@ pub fn run_attention_bench(
 
     for &t in &opts.threads {
         let t = t.max(1);
-        let mut pr = Probes::new(level, t, &mem, iters);
+        let mut pr = Probes::new(peaks, t, &mem, iters);
         for _ in 0..reps.min(3) {
             pr.read();
         }
         let lim = pr.best;
         let attend = |input: &SparseAttnInput<'_>, out: &mut [[f32; HEAD_DIM]]| {
-            super::sparse::decode(level, input, t, out)
+            sparse_attention_decode_with(lv, input, t, out)
         };
 
         // Sparse attention alone: warm entries.
@@ -753,8 +647,8 @@ pub fn run_attention_bench(
         let (tm, lo) = pr.time(reps, |i| {
             let pool = pools.get(i).map_or(&pools[0][..], |p| &p[..]);
             let s = Instant::now();
-            keep(super::index::gather(
-                level,
+            keep(indexer_scores_at_with(
+                lv,
                 &query,
                 keys,
                 n_max,
@@ -763,7 +657,7 @@ pub fn run_attention_bench(
                 &mut pool_scores,
             ));
             let s1 = Instant::now();
-            keep(super::topk_positions(&pool_scores, pool, &mut top));
+            keep(topk_positions(&pool_scores, pool, &mut top));
             let s2 = Instant::now();
             let input = SparseAttnInput {
                 global: global_paged,
@@ -852,10 +746,10 @@ pub fn run_attention_bench(
             let (mut ts, mut tk) = (Vec::new(), Vec::new());
             let (tm, lo) = pr.time(reps, |i| {
                 let s = Instant::now();
-                keep(super::index::scan(level, &query, keys, n, t, sc));
+                keep(indexer_scores_with(lv, &query, keys, n, t, sc));
                 let s1 = Instant::now();
-                keep(super::topk(sc, &mut top));
-                let c = super::candidate_blocks(sc, n, POOL_BLOCKS, POOL_BLOCK);
+                keep(topk(sc, &mut top));
+                let c = candidate_blocks(sc, n, POOL_BLOCKS, POOL_BLOCK);
                 keep(c.map(|c| {
                     black_box(c);
                 }));
@@ -926,13 +820,10 @@ pub fn run_attention_bench(
         limits.push(pr.best);
     }
     if let Some(e) = err {
-        return Err(e);
+        return Err(e.into());
     }
     if lv == SimdLevel::Avx512 {
-        #[cfg(target_arch = "x86_64")]
-        let vnni = super::avx512::Vnni::detect(level).is_some();
-        #[cfg(not(target_arch = "x86_64"))]
-        let vnni = false;
+        let vnni = peaks.int8_kernel() == Some(Int8Kernel::Vpdpbusd);
         notes.push(if vnni {
             "level avx512: sparse attention runs 512-bit kernels (FMA limit: 512-bit peak); the \
              indexer scan's per-key products use AVX-512 VNNI (int8 limit: the vpdpbusd peak)"

@@ -1,12 +1,12 @@
 //! Prints the codec benchmark report (ignored by default: a benchmark, not a test).
 //!
-//! `cargo test --release -p kvstack-kernels --test bench_report -- --ignored --nocapture`
+//! `cargo test --release -p kvstack-bench --test codec_report -- --ignored --nocapture`
 //! (set `KVSTACK_BENCH_QUICK=1` for 8 MiB buffers, `KVSTACK_BENCH_LEVEL=portable` for a level).
 
 // Test code: a failed unwrap is a failed test (the workspace denies these in library code).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use kvstack_kernels::bench::{CodecBenchOptions, run_codec_bench};
+use kvstack_bench::codecs::{CodecBenchOptions, run_codec_bench};
 
 #[test]
 #[ignore = "benchmark; run explicitly in release"]

@@ -19,11 +19,10 @@ use std::fmt;
 use std::hint::black_box;
 use std::time::Instant;
 
-use kvstack_firmware_interface::{EntryFormat, GlobalFp4Entry, IndexMxfp4Entry};
+use kvstack_kernels::{EntryFormat, GlobalFp4Entry, IndexMxfp4Entry, SimdLevel};
 use zerocopy::FromBytes;
 
-use crate::level::Verified;
-use crate::{SimdLevel, detected_level, portable};
+use crate::rng::Rng;
 
 /// What to measure.
 #[derive(Debug, Clone)]
@@ -34,8 +33,8 @@ pub struct CodecBenchOptions {
     pub buffer_bytes: usize,
     /// Repetitions of every measurement; the fastest is reported. At least 1.
     pub repetitions: usize,
-    /// Level to run; `None` runs [`detected_level`]. An unavailable level falls back to the
-    /// detected one, with a note in the report.
+    /// Level to run; `None` runs [`kvstack_kernels::detected_level`]. An unavailable level
+    /// falls back to the detected one, with a note in the report.
     pub level: Option<SimdLevel>,
     /// Formats to run, in order.
     pub formats: Vec<EntryFormat>,
@@ -67,13 +66,14 @@ impl CodecBenchOptions {
 /// A measured operation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BenchOp {
-    /// [`crate::quantize`] (checked).
+    /// [`kvstack_kernels::quantize`] (checked).
     Quantize,
-    /// [`crate::dequantize`].
+    /// [`kvstack_kernels::dequantize`].
     Dequantize,
-    /// [`crate::dot_fp4_many`] or [`crate::dot_mxfp4_many`]: an f32 query against the entries.
+    /// [`kvstack_kernels::dot_fp4_many`] or [`kvstack_kernels::dot_mxfp4_many`]: an f32 query
+    /// against the entries.
     DotF32,
-    /// [`crate::dot_mxfp4_mxfp4_many`]: an MXFP4 query against the keys.
+    /// [`kvstack_kernels::dot_mxfp4_mxfp4_many`]: an MXFP4 query against the keys.
     DotMxfp4,
 }
 
@@ -203,34 +203,17 @@ fn best_of_pair(reps: usize, mut base: impl FnMut(), mut op: impl FnMut()) -> (f
     (tb, to)
 }
 
-/// Deterministic test data: activations of varying magnitude per row (xorshift, no deps).
+/// Deterministic test data: activations of varying magnitude per row.
 fn activations(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed | 1;
-    let mut next = move || {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        s
-    };
+    // An odd seed: xorshift never leaves zero.
+    let mut rng = Rng(seed | 1);
     (0..n)
         .map(|i| {
-            let r = next();
-            let u = (r >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
             // The magnitude changes every 64 values, so tiles see different scales.
             let mag = 2f32.powi(((i / 64) % 16) as i32 - 8);
-            u * mag
+            rng.uniform() * mag
         })
         .collect()
-}
-
-fn read_sum(level: Verified, bytes: &[u8]) -> u64 {
-    match level.level() {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: `level` is `Verified` as AVX2 or AVX-512 (which includes AVX2 and FMA), so
-        // this CPU has AVX2 and FMA. A read stream is memory-bound at either width.
-        SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { crate::x86::avx2::read_sum(bytes) },
-        _ => portable::read_sum(bytes),
-    }
 }
 
 fn result(
@@ -272,15 +255,8 @@ fn tile_entries(block: &[u8], entry_bytes: usize, n: usize) -> Vec<u8> {
 /// interleaved with a vectorized read of the same entries).
 pub fn run_codec_bench(opts: &CodecBenchOptions) -> CodecBenchReport {
     let mut notes = Vec::new();
-    let level = match opts.level.map(Verified::new) {
-        None => Verified::detected(),
-        Some(Ok(v)) => v,
-        Some(Err(e)) => {
-            notes.push(format!("{e}; ran {} instead", detected_level()));
-            Verified::detected()
-        }
-    };
-    let lv = level.level();
+    let peaks = crate::peaks_for(opts.level, &mut notes);
+    let lv = peaks.level();
     let reps = opts.repetitions.max(1);
     let buf = opts.buffer_bytes.max(1 << 16);
 
@@ -289,7 +265,7 @@ pub fn run_codec_bench(opts: &CodecBenchOptions) -> CodecBenchReport {
     let mut dst = vec![0u8; buf];
     let mut memcpy = Throughput::new(buf as u64, f64::INFINITY);
     let mut results = Vec::new();
-    let mut err: Option<crate::Error> = None;
+    let mut err: Option<kvstack_kernels::Error> = None;
 
     for &format in &opts.formats {
         let dim = format.dim();
@@ -309,7 +285,7 @@ pub fn run_codec_bench(opts: &CodecBenchOptions) -> CodecBenchReport {
             reps,
             || copy(f32_bytes),
             || {
-                let r = crate::codec::quantize_at(level, format, black_box(&x), &mut enc);
+                let r = kvstack_kernels::quantize_with(lv, format, black_box(&x), &mut enc);
                 black_box(&mut enc);
                 if let Err(e) = r {
                     err.get_or_insert(e);
@@ -335,7 +311,7 @@ pub fn run_codec_bench(opts: &CodecBenchOptions) -> CodecBenchReport {
             reps,
             || copy(f32_bytes),
             || {
-                let r = crate::codec::dequantize_at(level, format, black_box(&enc), &mut y);
+                let r = kvstack_kernels::dequantize_with(lv, format, black_box(&enc), &mut y);
                 black_box(&mut y);
                 if let Err(e) = r {
                     err.get_or_insert(e);
@@ -367,32 +343,33 @@ pub fn run_codec_bench(opts: &CodecBenchOptions) -> CodecBenchReport {
         let enc_bytes = (n * eb) as u64;
         let mut out = vec![0f32; n];
         let q = activations(dim, 42);
-        let mut dot = |op: BenchOp, run: &mut dyn FnMut(&mut [f32]) -> Result<(), crate::Error>| {
-            let (tr, t) = best_of_pair(
-                reps,
-                || {
-                    black_box(read_sum(level, black_box(&entries)));
-                },
-                || {
-                    if let Err(e) = run(&mut out) {
-                        err.get_or_insert(e);
-                    }
-                    black_box(&mut out);
-                },
-            );
-            result(
-                format,
-                op,
-                lv,
-                n,
-                Throughput::new(enc_bytes, t),
-                (
-                    Baseline::MemoryRead,
-                    Throughput::new(enc_bytes, tr).gb_per_s,
-                ),
-                DOT_TARGET,
-            )
-        };
+        let mut dot =
+            |op: BenchOp, run: &mut dyn FnMut(&mut [f32]) -> Result<(), kvstack_kernels::Error>| {
+                let (tr, t) = best_of_pair(
+                    reps,
+                    || {
+                        black_box(peaks.read_sum(black_box(&entries)));
+                    },
+                    || {
+                        if let Err(e) = run(&mut out) {
+                            err.get_or_insert(e);
+                        }
+                        black_box(&mut out);
+                    },
+                );
+                result(
+                    format,
+                    op,
+                    lv,
+                    n,
+                    Throughput::new(enc_bytes, t),
+                    (
+                        Baseline::MemoryRead,
+                        Throughput::new(enc_bytes, tr).gb_per_s,
+                    ),
+                    DOT_TARGET,
+                )
+            };
         match format {
             EntryFormat::GlobalFp4 => {
                 let (Ok(es), Ok(q)) = (
@@ -403,7 +380,7 @@ pub fn run_codec_bench(opts: &CodecBenchOptions) -> CodecBenchReport {
                     continue;
                 };
                 results.push(dot(BenchOp::DotF32, &mut |o| {
-                    crate::dot::dot_fp4_many_at(level, black_box(q), es, o)
+                    kvstack_kernels::dot_fp4_many_with(lv, black_box(q), es, o)
                 }));
             }
             EntryFormat::IndexMxfp4 => {
@@ -415,11 +392,11 @@ pub fn run_codec_bench(opts: &CodecBenchOptions) -> CodecBenchReport {
                     continue;
                 };
                 results.push(dot(BenchOp::DotF32, &mut |o| {
-                    crate::dot::dot_mxfp4_many_at(level, black_box(qf), ks, o)
+                    kvstack_kernels::dot_mxfp4_many_with(lv, black_box(qf), ks, o)
                 }));
                 let qm = ks[n / 2];
                 results.push(dot(BenchOp::DotMxfp4, &mut |o| {
-                    crate::dot::dot_mxfp4_mxfp4_many_at(level, black_box(&qm), ks, o)
+                    kvstack_kernels::dot_mxfp4_mxfp4_many_with(lv, black_box(&qm), ks, o)
                 }));
             }
             EntryFormat::WindowFp8 => {}

@@ -1,9 +1,9 @@
 //! Portable attention worker: plain Rust over one entry at a time, written so that LLVM can
 //! vectorize the 512-wide loops for the build's baseline target.
 
-use super::HEAD_DIM;
-use super::sparse::{KvRow, LOGIT_SCALE, Partial};
 use super::tile::flat_mut;
+use super::{KvRow, LOGIT_SCALE, Partial};
+use crate::attn::HEAD_DIM;
 
 /// Dequantizes one attended entry into `out`.
 pub(crate) fn dequantize_row(row: &KvRow<'_>, out: &mut [f32; HEAD_DIM]) {

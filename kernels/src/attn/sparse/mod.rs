@@ -3,6 +3,13 @@
 
 use kvstack_firmware_interface::{GlobalFp4Entry, WindowFp8Entry};
 
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+mod portable;
+mod tile;
+
 use super::{AttnError, HEAD_DIM, Paged, thread_count, verified};
 use crate::SimdLevel;
 use crate::level::Verified;
@@ -48,7 +55,7 @@ impl KvRow<'_> {
 pub(crate) struct Partial {
     pub(crate) m: Vec<f32>,
     pub(crate) l: Vec<f32>,
-    pub(crate) o: Vec<super::tile::V8>,
+    pub(crate) o: Vec<tile::V8>,
 }
 
 impl Partial {
@@ -56,7 +63,7 @@ impl Partial {
         Partial {
             m: vec![f32::NEG_INFINITY; hp],
             l: vec![0.0; hp],
-            o: super::tile::zeroed(hp * HEAD_DIM),
+            o: tile::zeroed(hp * HEAD_DIM),
         }
     }
 }
@@ -79,7 +86,8 @@ pub(crate) const LOGIT_SCALE: f32 = std::f32::consts::FRAC_1_SQRT_2 / 16.0;
 /// # Errors
 ///
 /// [`AttnError::LengthMismatch`] if `out` or the sinks do not have one row or value per head;
-/// [`AttnError::PositionOutOfRange`] for a selected position past the global entries.
+/// [`AttnError::PositionOutOfRange`] for a selected position past the global entries;
+/// [`AttnError::Internal`] if a kernel finds one of its own invariants broken (a bug).
 pub fn sparse_attention_decode(
     input: &SparseAttnInput<'_>,
     threads: usize,
@@ -161,11 +169,13 @@ pub(crate) fn decode(
         rest = r;
     }
     let rows = &rows[..];
+    let mut done: Vec<Result<(), AttnError>> = outs.iter().map(|_| Ok(())).collect();
     crate::par::run_tasks(
-        outs.into_iter()
-            .map(|(h0, o)| move || attend_group(level, input, h0, rows, plan.row_chunks, o)),
+        outs.into_iter().zip(done.iter_mut()).map(|((h0, o), d)| {
+            move || *d = attend_group(level, input, h0, rows, plan.row_chunks, o)
+        }),
     );
-    Ok(())
+    done.into_iter().collect()
 }
 
 /// How one decode call is cut into tasks: heads into groups (each task transposes its own
@@ -222,14 +232,15 @@ fn attend_group(
     rows: &[KvRow<'_>],
     chunks: usize,
     out: &mut [[f32; HEAD_DIM]],
-) {
+) -> Result<(), AttnError> {
     let heads = h0..h0 + out.len();
     let q = input.q.get(heads.clone()).unwrap_or_default();
     let sinks = input.sinks.and_then(|s| s.get(heads));
     let prep = Prep::new(level, q);
     let chunk = rows.len().div_ceil(chunks.max(1)).max(1);
     let pieces: Vec<&[KvRow<'_>]> = rows.chunks(chunk).collect();
-    let mut slots: Vec<Option<Partial>> = (0..pieces.len()).map(|_| None).collect();
+    let mut slots: Vec<Option<Result<Partial, AttnError>>> =
+        (0..pieces.len()).map(|_| None).collect();
     let prep = &prep;
     crate::par::run_tasks(
         slots
@@ -237,11 +248,15 @@ fn attend_group(
             .zip(&pieces)
             .map(|(slot, c)| move || *slot = Some(attend(level, prep, c))),
     );
-    let mut parts: Vec<Partial> = slots.into_iter().flatten().collect();
+    let mut parts = slots
+        .into_iter()
+        .flatten()
+        .collect::<Result<Vec<Partial>, _>>()?;
     if parts.is_empty() {
         parts.push(Partial::new(prep.hp));
     }
     merge(&parts, sinks, out);
+    Ok(())
 }
 
 /// Queries prepared for a level: the AVX2 kernels read them transposed (`qt[d][h]`, heads
@@ -249,14 +264,14 @@ fn attend_group(
 pub(crate) struct Prep<'a> {
     pub(crate) q: &'a [[f32; HEAD_DIM]],
     pub(crate) hp: usize,
-    pub(crate) qt: Vec<super::tile::V8>,
+    pub(crate) qt: Vec<tile::V8>,
 }
 
 impl<'a> Prep<'a> {
     fn new(level: Verified, q: &'a [[f32; HEAD_DIM]]) -> Self {
         let hp = q.len().next_multiple_of(16);
         let qt = match level.level() {
-            SimdLevel::Avx2 | SimdLevel::Avx512 => super::tile::transpose_q(q, hp),
+            SimdLevel::Avx2 | SimdLevel::Avx512 => tile::transpose_q(q, hp),
             _ => Vec::new(),
         };
         Prep { q, hp, qt }
@@ -264,24 +279,45 @@ impl<'a> Prep<'a> {
 }
 
 /// One thread's share: its rows into a fresh partial state.
-fn attend(level: Verified, prep: &Prep<'_>, rows: &[KvRow<'_>]) -> Partial {
+///
+/// # Errors
+///
+/// [`AttnError::Internal`] if a SIMD kernel found its buffers too short for the heads (the
+/// state and `prep` are made for the same `hp` here, so never unless the code is wrong).
+fn attend(level: Verified, prep: &Prep<'_>, rows: &[KvRow<'_>]) -> Result<Partial, AttnError> {
     let mut st = Partial::new(prep.hp);
-    match level.level() {
+    let ran = match level.level() {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `level` is `Verified` as AVX2, so this CPU has AVX2 and FMA.
-        SimdLevel::Avx2 => unsafe { super::avx2::attend(prep, rows, &mut st) },
+        SimdLevel::Avx2 => unsafe { avx2::attend(prep, rows, &mut st) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `level` is `Verified` as AVX-512, so this CPU has AVX-512 F/BW/VL, AVX2 and
         // FMA.
-        SimdLevel::Avx512 => unsafe { super::avx512::attend(prep, rows, &mut st) },
-        _ => super::portable::attend(prep.q, rows, &mut st),
+        SimdLevel::Avx512 => unsafe { avx512::attend(prep, rows, &mut st) },
+        _ => {
+            portable::attend(prep.q, rows, &mut st);
+            true
+        }
+    };
+    debug_assert!(ran, "sparse attention kernel bounds");
+    if ran {
+        Ok(st)
+    } else {
+        Err(AttnError::Internal {
+            what: "a sparse attention kernel found its tile buffers too short for the heads",
+        })
     }
-    st
 }
 
 /// Combines the partial states and the sinks: with `M = max(m_t, sink)`,
 /// `out = sum_t e^(m_t - M) o_t / (sum_t e^(m_t - M) l_t + e^(sink - M))`.
 fn merge(parts: &[Partial], sinks: Option<&[f32]>, out: &mut [[f32; HEAD_DIM]]) {
+    // Every state is made for the group's padded heads (`Partial::new(prep.hp)`).
+    debug_assert!(
+        parts
+            .iter()
+            .all(|p| p.m.len() >= out.len() && p.l.len() >= out.len())
+    );
     for (h, row) in out.iter_mut().enumerate() {
         let sink = sinks.and_then(|s| s.get(h)).copied();
         let mut m = sink.unwrap_or(f32::NEG_INFINITY);
@@ -303,7 +339,7 @@ fn merge(parts: &[Partial], sinks: Option<&[f32]>, out: &mut [[f32; HEAD_DIM]]) 
             }
             let a = (mt - m).exp();
             den += a * lt;
-            let o = super::tile::flat(&p.o)
+            let o = tile::flat(&p.o)
                 .get(h * HEAD_DIM..(h + 1) * HEAD_DIM)
                 .unwrap_or_default();
             for (r, &v) in row.iter_mut().zip(o) {
@@ -313,6 +349,37 @@ fn merge(parts: &[Partial], sinks: Option<&[f32]>, out: &mut [[f32; HEAD_DIM]]) 
         let inv = 1.0 / den;
         for r in row.iter_mut() {
             *r *= inv;
+        }
+    }
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::*;
+    use zerocopy::FromZeros;
+
+    /// A state made for fewer heads than the queries is refused by the SIMD kernels and
+    /// reported, not half-computed in silence (debug builds stop at the kernel's assertion).
+    #[test]
+    #[cfg_attr(debug_assertions, should_panic(expected = "bounds"))]
+    fn simd_kernels_report_a_state_too_small_for_the_heads() {
+        let q = vec![[0.25f32; HEAD_DIM]; 32];
+        let e = WindowFp8Entry::new_zeroed();
+        let rows = vec![KvRow::Fp8(&e); 7];
+        for level in [SimdLevel::Avx2, SimdLevel::Avx512] {
+            let Ok(v) = Verified::new(level) else {
+                continue;
+            };
+            let prep = Prep::new(v, &q);
+            let run = |st: &mut Partial| match level {
+                // SAFETY: `level` was verified on this CPU just above.
+                SimdLevel::Avx2 => unsafe { avx2::attend(&prep, &rows, st) },
+                // SAFETY: as above.
+                _ => unsafe { avx512::attend(&prep, &rows, st) },
+            };
+            assert!(run(&mut Partial::new(prep.hp)), "{level}");
+            assert!(!run(&mut Partial::new(prep.hp - 16)), "{level}");
+            assert!(attend(v, &prep, &rows).is_ok(), "{level}");
         }
     }
 }

@@ -2,7 +2,7 @@
 
 use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
 
-use super::HEAD_DIM;
+use crate::attn::HEAD_DIM;
 
 /// Eight f32 aligned to 32 bytes: one AVX2 vector, so no vector load of a `V8` buffer splits a
 /// cache line.

@@ -4,9 +4,23 @@ use kvstack_firmware_interface::element::E2M1_TIMES_TWO_I8;
 use kvstack_firmware_interface::{EntryFormat, IndexMxfp4Entry};
 use zerocopy::FromZeros;
 
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod tiles;
+
+#[cfg(all(test, target_arch = "x86_64"))]
+pub(super) use avx2::tile_accepted;
+#[cfg(all(test, target_arch = "x86_64"))]
+pub(super) use avx512::{tile16_accepted, tile16_fused_accepted};
+
 use super::{AttnError, INDEX_DIM, INDEX_HEADS, Paged, thread_count, verified};
 use crate::SimdLevel;
 use crate::level::Verified;
+#[cfg(target_arch = "x86_64")]
+use crate::level::Vnni;
 
 /// An indexer query for one token: 32 heads of 128 values in MXFP4 (spec §5.3) and the 32 f32
 /// head weights, prepared once for the integer kernels.
@@ -57,7 +71,7 @@ pub(crate) struct Prepared {
     /// Key scale bytes the fast path accepts for this query; `None` if the query itself has a
     /// scale byte outside `1..=241` or a head spans more than 10 exponents.
     pub(crate) fast: Option<FastLimits>,
-    /// The query for the VNNI kernel, whose lanes are keys ([`super::avx512`]):
+    /// The query for the VNNI kernel, whose lanes are keys ([`avx512`]):
     /// `kq[h][b][g]` is the four `2 * e2m1` bytes (i8) of head `h` for group `g` of block `b`,
     /// elements [`key_lane_element`]`(b, g, 0..4)`, broadcast against sixteen keys at once.
     pub(crate) kq: [[[u32; 8]; 4]; INDEX_HEADS],
@@ -69,7 +83,7 @@ pub(crate) struct Prepared {
     /// The head weights, one per head.
     pub(crate) kw: [f32; INDEX_HEADS],
     /// The query for the fused VNNI kernel (one integer sum per head over all four blocks,
-    /// [`super::avx512`]): `fq[h][8b + g]` is `kq[h][b][g]` with every byte shifted left by
+    /// [`avx512`]): `fq[h][8b + g]` is `kq[h][b][g]` with every byte shifted left by
     /// `eq_b - min_b(eq_b)` of head `h` (at most [`FUSED_SPAN`], so `|byte| <= 96`).
     pub(crate) fq: [[u32; 32]; INDEX_HEADS],
     /// `foff[h]`: `-FUSED_KEY_OFFSET * sum` of head `h`'s shifted bytes, the accumulator's
@@ -446,7 +460,7 @@ pub(crate) fn scan(
     let t = thread_count(threads).min(visible.div_ceil(MIN_KEYS_PER_THREAD).max(1));
     let chunk = share_chunk(visible, t);
     #[cfg(target_arch = "x86_64")]
-    let vnni = super::avx512::Vnni::detect(level);
+    let vnni = Vnni::detect(level);
     let run = |start: usize, o: &mut [f32]| {
         let runs = keys
             .runs(start..start + o.len())
@@ -456,7 +470,7 @@ pub(crate) fn scan(
             // SAFETY: `level` is `Verified` as AVX2 or AVX-512 (which includes AVX2 and FMA),
             // so this CPU has AVX2 and FMA.
             SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe {
-                super::avx2::score_runs(query, runs, vnni, o)
+                avx2::score_runs(query, runs, vnni, o)
             },
             _ => {
                 let items =
@@ -550,7 +564,7 @@ pub(crate) fn gather(
     let t = thread_count(threads).min(positions.len().div_ceil(MIN_KEYS_PER_THREAD).max(1));
     let chunk = share_chunk(positions.len(), t);
     #[cfg(target_arch = "x86_64")]
-    let vnni = super::avx512::Vnni::detect(level);
+    let vnni = Vnni::detect(level);
     let run = |pos: &[i32], o: &mut [f32]| {
         o.fill(f32::NEG_INFINITY);
         match level.level() {
@@ -558,7 +572,7 @@ pub(crate) fn gather(
             // SAFETY: `level` is `Verified` as AVX2 or AVX-512 (which includes AVX2 and FMA),
             // so this CPU has AVX2 and FMA.
             SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe {
-                super::avx2::score_positions(query, keys, visible, pos, vnni, o)
+                avx2::score_positions(query, keys, visible, pos, vnni, o)
             },
             _ => {
                 let items = pos.iter().enumerate().filter_map(|(i, &p)| {
