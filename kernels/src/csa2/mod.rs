@@ -23,7 +23,7 @@
 //! | grouped low-rank output projection | [`output`] | §4 core attention |
 //!
 //! Composition (which weights feed which block, per layer mode) is the runtime's
-//! (`kvstack_runtime::attention`); this module holds no weights and no state beyond the
+//! (`kvstack_model::attention`); this module holds no weights and no state beyond the
 //! compressor's pending tokens.
 
 pub mod attention;
