@@ -402,6 +402,29 @@ impl Engine {
         Ok(id)
     }
 
+    /// Cancels a queued or running request (a client went away): its sequence and pages are
+    /// freed, its session is usable again with its history as before the request, and no
+    /// further event names it. Units it already persisted stay (they are valid prefixes).
+    /// Returns whether the request was still there.
+    pub fn cancel(&mut self, request: RequestId) -> bool {
+        let Some(mut r) = self.requests.remove(&request) else {
+            return false;
+        };
+        if let Some(stage) = r.stage.as_mut() {
+            stage.discard();
+        }
+        if let Some(seq) = r.seq {
+            let _ = self.cache.drop_sequence(seq);
+        }
+        if let Some(s) = self.sessions.get_mut(&r.session) {
+            // A started request took the session's live sequence (dropped above); a queued
+            // one leaves it to the session.
+            s.busy = None;
+        }
+        self.stats.cancelled += 1;
+        true
+    }
+
     /// Whether no request is queued or running.
     pub fn is_idle(&self) -> bool {
         self.requests.is_empty()

@@ -215,6 +215,11 @@ impl Service {
         self.engine.submit(session, spec)
     }
 
+    /// Cancels a queued or running request ([`Engine::cancel`]); whether it was still there.
+    pub fn cancel(&mut self, request: RequestId) -> bool {
+        self.engine.cancel(request)
+    }
+
     /// Whether no request is queued or running.
     pub fn is_idle(&self) -> bool {
         self.engine.is_idle()

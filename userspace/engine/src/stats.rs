@@ -70,6 +70,8 @@ pub struct EngineStats {
     pub requests: u64,
     /// Requests failed.
     pub failed: u64,
+    /// Requests cancelled ([`crate::Engine::cancel`]).
+    pub cancelled: u64,
     /// Context tokens of admitted requests.
     pub context_tokens: u64,
     /// Of those: from live sessions.

@@ -238,3 +238,55 @@ fn bad_requests_are_clear_errors() {
     assert_eq!(done.len(), 1);
     assert_eq!(done[0].tokens.len(), 2);
 }
+
+#[test]
+fn a_cancelled_request_frees_its_pages_and_its_session_goes_on() {
+    let (cfg, model) = setup();
+    let mut e = engine(&cfg, model.clone(), None, true);
+    let s = e.open_session("t");
+    let first = turn(&mut e, s, tokens(200, 1), 3);
+    assert_eq!(
+        e.cache().usage().sequences,
+        1,
+        "the live session holds its sequence"
+    );
+
+    // Cancel mid-prefill (after one 128-token chunk of a 300-token turn).
+    let id = e.submit(s, spec(tokens(300, 2), 4)).unwrap();
+    let mut events = e.step().unwrap();
+    assert!(e.cancel(id));
+    assert!(!e.cancel(id), "cancelled once");
+    while !e.is_idle() {
+        events.extend(e.step().unwrap());
+    }
+    assert!(
+        events.iter().all(|ev| !matches!(ev, Event::Finished(_))),
+        "no completion after a cancel"
+    );
+    assert_eq!(e.stats().cancelled, 1);
+    // The turn's sequence (which had taken the session's) is gone: nothing is held.
+    assert_eq!(e.cache().usage().sequences, 0);
+    assert_eq!(
+        e.history(s).unwrap().len(),
+        first.context_tokens as usize + 3
+    );
+
+    // The session takes its next turn, equal to a fresh engine given the same history.
+    let history = e.history(s).unwrap().to_vec();
+    let next = turn(&mut e, s, tokens(20, 3), 3);
+    let mut fresh = engine(&cfg, model, None, true);
+    let f = fresh.open_session("t");
+    let mut all = history;
+    all.extend(tokens(20, 3));
+    let want = turn(&mut fresh, f, all, 3);
+    assert_eq!(next.tokens, want.tokens);
+
+    // A queued request (not started) is cancelled without touching the live sequence.
+    let a = e.open_session("t");
+    let before = e.cache().usage();
+    assert_eq!(before.sequences, 1, "session s is live again");
+    let q = e.submit(a, spec(tokens(50, 4), 2)).unwrap();
+    assert!(e.cancel(q));
+    assert_eq!(e.cache().usage(), before);
+    assert!(e.is_idle());
+}

@@ -10,12 +10,15 @@
 //! - [`unit`](mod@unit): [`Tiers`], the prefix units the runtime persists and looks up:
 //!   building block payloads from the paged cache, restoring them into it, the window snapshot
 //!   or the bounded replay that a global hit needs.
+//! - [`external`]: units as bytes in their stored formats, for engines outside kvstack
+//!   ([`UnitData`], [`Tiers::read_unit`], [`Tiers::write_unit`]).
 //! - [`clock`]: injected time, so retention and TTL rules are tested instantly.
 //!
 //! The on-disk bytes are drawn in `docs/ssd-format.md`; the rules in `docs/tiers.md`.
 
 pub mod clock;
 mod error;
+pub mod external;
 pub mod fsck;
 pub mod key;
 mod scan;
@@ -26,6 +29,7 @@ pub mod window_pool;
 
 pub use clock::{Clock, HOUR_MS, ManualClock, SystemClock};
 pub use error::{Error, Result};
+pub use external::UnitData;
 pub use key::{ModelFingerprint, Tenant};
 pub use scan::Damage;
 pub use segment::StoreLocation;

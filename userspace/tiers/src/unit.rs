@@ -233,6 +233,11 @@ impl Tiers {
         })
     }
 
+    /// Unit lengths must be a multiple of this (the largest compress ratio, spec §8).
+    pub fn align(&self) -> u64 {
+        self.align
+    }
+
     /// The SSD store.
     pub fn store(&self) -> &SsdStore {
         &self.store
@@ -513,14 +518,23 @@ impl Tiers {
     }
 }
 
-struct Snapshot<'a> {
-    tokens: u64,
-    rows: u64,
-    window: &'a [WindowFp8Entry],
-    pending: Vec<Vec<f32>>,
+/// A parsed window snapshot.
+pub(crate) struct Snapshot<'a> {
+    /// Length of the sequence it was taken of.
+    pub(crate) tokens: u64,
+    /// Window rows per layer.
+    pub(crate) rows: u64,
+    /// The rows, layer-major.
+    pub(crate) window: &'a [WindowFp8Entry],
+    /// Pending compressor state per KV source.
+    pub(crate) pending: Vec<Vec<f32>>,
+    /// Bytes the snapshot spans (a valid one is exactly its buffer).
+    pub(crate) bytes: usize,
 }
 
-fn parse_snapshot<'a>(b: &'a [u8], g: &CacheGeometry) -> Option<Snapshot<'a>> {
+/// Parses a snapshot of geometry `g`; `None` when its header does not match `g` or it is cut
+/// short.
+pub(crate) fn parse_snapshot<'a>(b: &'a [u8], g: &CacheGeometry) -> Option<Snapshot<'a>> {
     let u32_at =
         |o: usize| -> Option<u32> { Some(u32::from_le_bytes(b.get(o..o + 4)?.try_into().ok()?)) };
     if b.get(..8)? != SNAPSHOT_MAGIC {
@@ -555,6 +569,7 @@ fn parse_snapshot<'a>(b: &'a [u8], g: &CacheGeometry) -> Option<Snapshot<'a>> {
         rows: rows as u64,
         window,
         pending,
+        bytes: at,
     })
 }
 

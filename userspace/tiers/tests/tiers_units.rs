@@ -250,3 +250,81 @@ fn interval_units_share_blocks_with_the_final_one() {
     assert!(r.window);
     same(&src, seq, &dst, r.seq, true);
 }
+
+#[test]
+fn units_as_bytes_round_trip_between_tenants_and_bad_shapes_are_refused() {
+    let dir = TempDir::new("units-bytes");
+    let clock = Arc::new(ManualClock::new(1_700_000_000_000));
+    let tiers = tiers(dir.path(), clock.clone());
+    let (a, b) = (Tenant::new("a"), Tenant::new("b"));
+    let tokens: Vec<u32> = (0..1000).map(|i| i * 3 + 2).collect();
+    let mut src = cache();
+    let seq = build(&mut src, &tokens, 9);
+    tiers.persist(&src, seq, &a, 1000).unwrap().wait().unwrap();
+
+    // Read tenant a's unit as bytes: 4 blocks (3 of 256, one of 232) with the window.
+    let hit = tiers.lookup(&tokens, &a);
+    let data = tiers.read_unit(&tokens, &hit).unwrap().unwrap();
+    assert_eq!(data.tokens, 1000);
+    assert_eq!(data.blocks.len(), 4);
+    assert_eq!(data.blocks[0].len(), (3 * 128 + 256) * (288 + 68));
+    assert_eq!(data.blocks[3].len(), (3 * 116 + 232) * (288 + 68));
+    assert!(data.window.is_some());
+    // Tenant b sees nothing of it...
+    assert_eq!(tiers.lookup(&tokens, &b).tokens, 0);
+    assert!(
+        tiers
+            .read_unit(&tokens, &tiers.lookup(&tokens, &b))
+            .unwrap()
+            .is_none()
+    );
+
+    // ...until it stores the same bytes itself; then it restores the same KV.
+    tiers
+        .write_unit(&b, &tokens, &data)
+        .unwrap()
+        .wait()
+        .unwrap();
+    let hit_b = tiers.lookup(&tokens, &b);
+    assert_eq!((hit_b.tokens, hit_b.window), (1000, true));
+    assert_eq!(tiers.read_unit(&tokens, &hit_b).unwrap().unwrap(), data);
+    let mut dst = cache();
+    let mut request = tokens.clone();
+    request.push(1);
+    let r = tiers.restore(&mut dst, &request, &hit_b).unwrap();
+    assert_eq!((r.tokens, r.window), (1000, true));
+    same(&src, seq, &dst, r.seq, true);
+
+    // Every wrong shape is refused before anything is stored.
+    let c = Tenant::new("c");
+    let refused = |d: &kvstack_tiers::UnitData, t: &[u32]| {
+        let e = tiers.write_unit(&c, t, d).unwrap_err().to_string();
+        assert_eq!(tiers.lookup(t, &c).tokens, 0, "{e}");
+        e
+    };
+    let mut short = data.clone();
+    short.blocks[2].pop();
+    assert!(refused(&short, &tokens).contains("block 2"));
+    let mut fewer = data.clone();
+    fewer.blocks.pop();
+    assert!(refused(&fewer, &tokens).contains("3 blocks given"));
+    let mut odd = data.clone();
+    odd.tokens = 999;
+    assert!(refused(&odd, &tokens[..999]).contains("multiple of 2"));
+    let mut long_window = data.clone();
+    long_window.window.as_mut().unwrap().push(0);
+    assert!(refused(&long_window, &tokens).contains("window snapshot"));
+    // A window taken at another length does not belong to this unit.
+    let tokens_998 = &tokens[..998];
+    let mut other = data.clone();
+    other.tokens = 998;
+    other.blocks[3].truncate((3 * 115 + 230) * (288 + 68));
+    assert!(refused(&other, tokens_998).contains("window snapshot"));
+    other.window = None;
+    tiers
+        .write_unit(&c, tokens_998, &other)
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(tiers.lookup(tokens_998, &c).tokens, 998);
+}

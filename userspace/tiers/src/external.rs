@@ -1,0 +1,173 @@
+//! Units in their stored byte formats, for engines outside kvstack (the KV-cache API of the
+//! appliance, the C ABI): read a cached prefix's KV as bytes, store KV that another engine
+//! computed, with every size checked against the model's geometry.
+//!
+//! A unit's bytes are its blocks' KV payloads, one block per `page_tokens` tokens (the last may
+//! be shorter): for every KV source in layer order, the block's FP4 global entries (288 B each,
+//! spec §5.2) then its MXFP4 indexer keys (68 B each, spec §5.3), one entry per `ratio` tokens;
+//! and optionally the window snapshot at its end (`docs/tiers.md`, "DRAM window pool"). These
+//! are exactly the bytes the SSD records hold (`docs/ssd-format.md`), without the token ids,
+//! which the caller already has.
+
+use crate::store::{BlockSource, ReadOutcome, UnitTicket, UnitWrite};
+use crate::unit::{TierHit, block_payload_bytes, parse_snapshot};
+use crate::{Error, Result, Tenant, Tiers};
+
+/// A unit's KV in its stored byte formats.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct UnitData {
+    /// Tokens the unit covers.
+    pub tokens: u64,
+    /// The KV payload of each block, first to last.
+    pub blocks: Vec<Vec<u8>>,
+    /// The window snapshot at the unit's end, when there is one.
+    pub window: Option<Vec<u8>>,
+}
+
+impl UnitData {
+    /// Bytes of KV payload.
+    pub fn payload_bytes(&self) -> u64 {
+        self.blocks.iter().map(|b| b.len() as u64).sum()
+    }
+}
+
+/// The blocks of a [`UnitData`], handed to the store on demand.
+struct GivenBlocks<'a>(&'a [Vec<u8>]);
+
+impl BlockSource for GivenBlocks<'_> {
+    fn block_payload(&self, index: usize, _: u64, _: usize, out: &mut Vec<u8>) -> Result<()> {
+        let b = self.0.get(index).ok_or(Error::Payload {
+            block: index,
+            tokens: 0,
+            reason: "no such block".into(),
+        })?;
+        out.extend_from_slice(b);
+        Ok(())
+    }
+}
+
+impl Tiers {
+    /// The bytes of the prefix `hit` found for `tokens` ([`Tiers::lookup`]): every block read
+    /// and checked (header, key, CRC) under a lease, and the window snapshot when the pool
+    /// holds one at its end. Reading counts as a use of the prefix.
+    ///
+    /// `Ok(None)` when a block has vanished (evicted since the lookup) or is damaged: a miss,
+    /// never partial or damaged bytes.
+    ///
+    /// # Errors
+    /// I/O set-up failures; [`Error::Payload`] for a stored block whose size does not match
+    /// the model (a store written for other dimensions).
+    pub fn read_unit(&self, tokens: &[u32], hit: &TierHit) -> Result<Option<UnitData>> {
+        let g = self.geometry();
+        if hit.tokens == 0 || hit.tokens > tokens.len() as u64 {
+            return Ok(None);
+        }
+        let mut blocks = Vec::with_capacity(hit.store.keys.len());
+        let outcome = self.store().read_blocks(&hit.store.keys, |i, h, kv| {
+            let want = block_payload_bytes(g, u64::from(h.tokens));
+            if kv.len() as u64 != want {
+                return Err(Error::Payload {
+                    block: i,
+                    tokens: u64::from(h.tokens),
+                    reason: format!("{} payload bytes, expected {want}", kv.len()),
+                });
+            }
+            blocks.push(kv.to_vec());
+            Ok(())
+        })?;
+        if outcome != ReadOutcome::Complete {
+            return Ok(None);
+        }
+        let mut window = None;
+        if let Some(key) = hit.key() {
+            let mut snap = Vec::new();
+            if self.pool().get(&key, &mut snap)
+                && parse_snapshot(&snap, g).is_some_and(|s| s.tokens == hit.tokens)
+            {
+                window = Some(snap);
+            }
+        }
+        Ok(Some(UnitData {
+            tokens: hit.tokens,
+            blocks,
+            window,
+        }))
+    }
+
+    /// Stores `data` as the unit `tokens` of `tenant`, written behind like any unit: the
+    /// returned ticket's [`UnitTicket::wait`] returns once it is durable. Blocks already stored
+    /// are shared. Everything is checked before anything is queued: the unit length (`tokens`,
+    /// `data.tokens`, a multiple of [`Tiers::align`]), the number of blocks and each block's
+    /// size for its tokens, and the window snapshot (this model's layout, taken at the unit's
+    /// end, nothing after it).
+    ///
+    /// # Errors
+    /// [`Error::Unaligned`], [`Error::Payload`] naming the block and what is wrong, and the
+    /// errors of [`crate::SsdStore::put_unit`] and of the window pool.
+    pub fn write_unit(
+        &self,
+        tenant: &Tenant,
+        tokens: &[u32],
+        data: &UnitData,
+    ) -> Result<UnitTicket> {
+        let g = self.geometry();
+        let n = tokens.len() as u64;
+        let bad = |block: usize, tokens: u64, reason: String| Error::Payload {
+            block,
+            tokens,
+            reason,
+        };
+        if n == 0 || n != data.tokens || !n.is_multiple_of(self.align()) {
+            return Err(Error::Unaligned {
+                tokens: n,
+                align: self.align(),
+            });
+        }
+        let p = g.page_tokens as u64;
+        let want_blocks = n.div_ceil(p) as usize;
+        if data.blocks.len() != want_blocks {
+            return Err(bad(
+                data.blocks.len().min(want_blocks),
+                n,
+                format!(
+                    "{} blocks given, a unit of {n} tokens has {want_blocks} of {p} tokens",
+                    data.blocks.len()
+                ),
+            ));
+        }
+        for (i, b) in data.blocks.iter().enumerate() {
+            let t = (n - i as u64 * p).min(p);
+            let want = block_payload_bytes(g, t);
+            if b.len() as u64 != want {
+                return Err(bad(
+                    i,
+                    t,
+                    format!("{} payload bytes, expected {want}", b.len()),
+                ));
+            }
+        }
+        if let Some(w) = &data.window {
+            let ok = parse_snapshot(w, g).is_some_and(|s| s.tokens == n && s.bytes == w.len());
+            if !ok {
+                return Err(bad(
+                    want_blocks,
+                    n,
+                    "the window snapshot does not match the model or does not end at the unit"
+                        .into(),
+                ));
+            }
+        }
+        let ticket = self.store().put_unit(&UnitWrite {
+            model: self.model(),
+            tenant,
+            tokens,
+            page_tokens: g.page_tokens,
+            align: self.align() as usize,
+            source: &GivenBlocks(&data.blocks),
+        })?;
+        if let Some(w) = &data.window {
+            self.pool().put(ticket.key, w)?;
+        }
+        Ok(ticket)
+    }
+}
