@@ -330,7 +330,7 @@ pub fn run(a: &RunArgs) -> Result<(), CliError> {
                 s.replayed_tokens
             ),
             format!(
-                "cache: {:.1} global KV + index bytes per token measured over finished sequences (spec: 890); DRAM paged cache {:.1} MB allocated",
+                "cache: {:.1} bytes per token of persistent KV (FP4 global entries + MXFP4 indexer keys, every layer) measured over finished sequences (spec: 890 at even lengths; a trailing incomplete compress group has no entry yet); DRAM paged cache {:.1} MB allocated",
                 s.measured_bytes_per_token,
                 s.dram_cache_bytes as f64 / 1e6
             ),
@@ -353,13 +353,15 @@ pub fn run(a: &RunArgs) -> Result<(), CliError> {
             _ => lines.push("tiers: off (--no-tiers)".into()),
         }
         let mut ttft = String::from(
-            "time to first token (from arrival, waiting behind other sessions' steps included):",
+            "time to first token, mean = queueing (admission, other requests' prefill steps) + service (lookup, restore, own prefill):",
         );
         for t in &s.ttft_ms {
             ttft.push_str(&format!(
-                " {} {:.1} ms ({} requests);",
+                " {} {:.1} ms = {:.1} + {:.1} ({} requests);",
                 t.reuse.label(),
                 t.mean_ms,
+                t.queue_ms,
+                t.service_ms,
                 t.requests
             ));
         }

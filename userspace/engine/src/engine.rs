@@ -46,7 +46,7 @@ use kvstack_tiers::store::UnitTicket;
 use kvstack_tiers::{Tenant, Tiers};
 
 use crate::error::{Error, Result};
-use crate::stats::{EngineStats, Reuse, ReuseKind};
+use crate::stats::{EngineStats, Reuse, ReuseKind, TtftSample};
 
 /// Options of an [`Engine`].
 #[derive(Clone, Debug)]
@@ -191,6 +191,12 @@ struct Request {
     rng: u64,
     reuse: Reuse,
     submitted: Instant,
+    /// Waiting before admission (arrival to the start of its lookup).
+    queued_admission: Duration,
+    /// When its sequence was ready (after admission), and when its first prefill step ran:
+    /// the wait between them is queueing too.
+    ready: Option<Instant>,
+    first_step: Option<Instant>,
     first_token: Option<Duration>,
     first_logits: Option<Vec<f32>>,
     /// Units are persisted up to here.
@@ -391,6 +397,9 @@ impl Engine {
                 rng,
                 reuse: Reuse::default(),
                 submitted: Instant::now(),
+                queued_admission: Duration::ZERO,
+                ready: None,
+                first_step: None,
                 first_token: None,
                 first_logits: None,
                 persisted: 0,
@@ -454,9 +463,12 @@ impl Engine {
         // The prefill step of the oldest prefilling request.
         let prefill = self
             .requests
-            .iter()
+            .iter_mut()
             .find(|(_, r)| r.phase == Phase::Prefill)
-            .map(|(&id, _)| id);
+            .map(|(&id, r)| {
+                r.first_step.get_or_insert_with(Instant::now);
+                id
+            });
         let mut joined = None;
         if let Some(id) = prefill {
             let encoder_only = self
@@ -522,9 +534,12 @@ impl Engine {
 
     /// Sets up a request's sequence (module docs, admission) and its prefill plan.
     fn start(&mut self, id: RequestId) -> Result<()> {
-        let Some(r) = self.requests.get(&id) else {
+        let Some(r) = self.requests.get_mut(&id) else {
             return Ok(());
         };
+        // A request that waits for room is started again later: its waiting is the time up
+        // to the attempt that succeeds.
+        r.queued_admission = r.submitted.elapsed();
         let session = r.session;
         let all = r.all.clone();
         let s = self.session(session)?;
@@ -615,6 +630,7 @@ impl Engine {
             r.phase = Phase::Prefill;
             r.persisted = len;
             r.reuse = reuse;
+            r.ready = Some(Instant::now());
         }
         Ok(())
     }
@@ -802,7 +818,15 @@ impl Engine {
                         r.first_logits = Some(logits);
                     }
                     r.phase = Phase::Decode;
-                    self.stats.record_ttft(r.reuse.kind, ttft);
+                    let waited = match (r.ready, r.first_step) {
+                        (Some(a), Some(b)) => b.saturating_duration_since(a),
+                        _ => Duration::ZERO,
+                    };
+                    self.stats.record_ttft(TtftSample {
+                        kind: r.reuse.kind,
+                        total: ttft,
+                        queued: (r.queued_admission + waited).min(ttft),
+                    });
                     events.push(Event::FirstToken {
                         request: *id,
                         token,

@@ -19,4 +19,4 @@ mod stats;
 pub use engine::{Completion, Engine, EngineOptions, Event, RequestId, RequestSpec, SessionId};
 pub use error::{Error, Result};
 pub use service::{ModelSource, Service, ServiceOptions, ServiceReport, TtftLine};
-pub use stats::{EngineStats, Reuse, ReuseKind};
+pub use stats::{EngineStats, Reuse, ReuseKind, TtftMean, TtftSample};

@@ -360,6 +360,10 @@ pub struct TtftLine {
     pub requests: usize,
     /// Their mean time to first token, from arrival, in milliseconds.
     pub mean_ms: f64,
+    /// Of that, waiting for admission and for the prefill slot (other requests' work).
+    pub queue_ms: f64,
+    /// Of that, the request's own work: lookup, restore, prefill, first token.
+    pub service_ms: f64,
 }
 
 impl ServiceReport {
@@ -395,10 +399,12 @@ impl ServiceReport {
             ttft_ms: ReuseKind::ALL
                 .iter()
                 .filter_map(|&k| {
-                    st.mean_ttft(k).map(|(d, n)| TtftLine {
+                    st.mean_ttft(k).map(|m| TtftLine {
                         reuse: k,
-                        requests: n,
-                        mean_ms: d.as_secs_f64() * 1e3,
+                        requests: m.requests,
+                        mean_ms: m.total.as_secs_f64() * 1e3,
+                        queue_ms: m.queued.as_secs_f64() * 1e3,
+                        service_ms: m.service.as_secs_f64() * 1e3,
                     })
                 })
                 .collect(),

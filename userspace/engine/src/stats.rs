@@ -113,8 +113,41 @@ pub struct EngineStats {
     /// Bytes of their global entries and indexer keys (measured bytes/token = this /
     /// `finished_tokens`).
     pub finished_entry_bytes: u64,
-    /// Time to first token per kind of reuse.
-    pub ttft: Vec<(ReuseKind, Duration)>,
+    /// Time to first token of every request that has one.
+    pub ttft: Vec<TtftSample>,
+}
+
+/// One request's time to first token, split into waiting and being served.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TtftSample {
+    /// Where its context came from.
+    pub kind: ReuseKind,
+    /// Arrival to first token.
+    pub total: Duration,
+    /// Of that, waiting: for admission (a sequence to free up, earlier requests to be
+    /// admitted), then for its first prefill step while older requests held the prefill slot.
+    pub queued: Duration,
+}
+
+impl TtftSample {
+    /// Of the total, the request's own work: its lookup and restore, its prefill steps (with
+    /// the decode rows batched into them) and the sampling of its first token.
+    pub fn service(&self) -> Duration {
+        self.total.saturating_sub(self.queued)
+    }
+}
+
+/// Means of the time to first token of one kind of reuse ([`EngineStats::mean_ttft`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TtftMean {
+    /// Requests of that kind.
+    pub requests: usize,
+    /// Mean arrival to first token.
+    pub total: Duration,
+    /// Mean waiting ([`TtftSample::queued`]).
+    pub queued: Duration,
+    /// Mean service ([`TtftSample::service`]).
+    pub service: Duration,
 }
 
 impl EngineStats {
@@ -129,23 +162,23 @@ impl EngineStats {
         self.computed_tokens += r.computed_tokens;
     }
 
-    pub(super) fn record_ttft(&mut self, kind: ReuseKind, d: Duration) {
-        self.ttft.push((kind, d));
+    pub(super) fn record_ttft(&mut self, sample: TtftSample) {
+        self.ttft.push(sample);
     }
 
-    /// Mean time to first token of requests of `kind`, and how many there were.
-    pub fn mean_ttft(&self, kind: ReuseKind) -> Option<(Duration, usize)> {
-        let v: Vec<Duration> = self
-            .ttft
-            .iter()
-            .filter(|(k, _)| *k == kind)
-            .map(|(_, d)| *d)
-            .collect();
-        if v.is_empty() {
-            return None;
-        }
-        let sum: Duration = v.iter().sum();
-        Some((sum / v.len() as u32, v.len()))
+    /// Mean time to first token of requests of `kind` (with its queueing and service parts),
+    /// `None` when there were none.
+    pub fn mean_ttft(&self, kind: ReuseKind) -> Option<TtftMean> {
+        let v: Vec<&TtftSample> = self.ttft.iter().filter(|s| s.kind == kind).collect();
+        let n = u32::try_from(v.len()).ok().filter(|&n| n > 0)?;
+        let total: Duration = v.iter().map(|s| s.total).sum();
+        let queued: Duration = v.iter().map(|s| s.queued).sum();
+        Some(TtftMean {
+            requests: v.len(),
+            total: total / n,
+            queued: queued / n,
+            service: total.saturating_sub(queued) / n,
+        })
     }
 
     /// Prefill rows per second.

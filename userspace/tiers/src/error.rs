@@ -117,6 +117,15 @@ pub enum Error {
         align: u64,
     },
 
+    /// A unit that is empty or longer than the sequence it is cut from.
+    #[error("a unit of {tokens} tokens does not fit a sequence of {len}")]
+    UnitRange {
+        /// Tokens asked for.
+        tokens: u64,
+        /// The sequence's length.
+        len: u64,
+    },
+
     /// The store has shut down.
     #[error("the store is closed")]
     Closed,

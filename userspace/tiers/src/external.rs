@@ -96,13 +96,14 @@ impl Tiers {
 
     /// Stores `data` as the unit `tokens` of `tenant`, written behind like any unit: the
     /// returned ticket's [`UnitTicket::wait`] returns once it is durable. Blocks already stored
-    /// are shared. Everything is checked before anything is queued: the unit length (`tokens`,
-    /// `data.tokens`, a multiple of [`Tiers::align`]), the number of blocks and each block's
-    /// size for its tokens, and the window snapshot (this model's layout, taken at the unit's
-    /// end, nothing after it).
+    /// are shared. Everything is checked before anything is queued: the unit length (`tokens`
+    /// and `data.tokens` agree, not empty), the number of blocks and each block's size for its
+    /// tokens, and the window snapshot (this model's layout, taken at the unit's end, nothing
+    /// after it). A unit may end at any token; one that ends inside a compress group is only
+    /// restored whole together with its window snapshot.
     ///
     /// # Errors
-    /// [`Error::Unaligned`], [`Error::Payload`] naming the block and what is wrong, and the
+    /// [`Error::UnitRange`], [`Error::Payload`] naming the block and what is wrong, and the
     /// errors of [`crate::SsdStore::put_unit`] and of the window pool.
     pub fn write_unit(
         &self,
@@ -117,10 +118,10 @@ impl Tiers {
             tokens,
             reason,
         };
-        if n == 0 || n != data.tokens || !n.is_multiple_of(self.align()) {
-            return Err(Error::Unaligned {
-                tokens: n,
-                align: self.align(),
+        if n == 0 || n != data.tokens {
+            return Err(Error::UnitRange {
+                tokens: data.tokens,
+                len: n,
             });
         }
         let p = g.page_tokens as u64;
@@ -162,7 +163,7 @@ impl Tiers {
             tenant,
             tokens,
             page_tokens: g.page_tokens,
-            align: self.align() as usize,
+            align: 1,
             source: &GivenBlocks(&data.blocks),
         })?;
         if let Some(w) = &data.window {

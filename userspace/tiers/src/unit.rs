@@ -259,17 +259,15 @@ impl Tiers {
     }
 
     /// Where units are persisted while a sequence grows from `start` to `end` tokens: every
-    /// multiple of `unit_interval_tokens` in `(start, end]`, and `end` itself (rounded down to
-    /// the largest compress ratio) when `end_of_turn` (the end of a prompt or an output).
+    /// multiple of `unit_interval_tokens` in `(start, end]`, and `end` itself when
+    /// `end_of_turn` (the end of a prompt or an output), at any length: its window snapshot
+    /// carries the compressor state of a trailing incomplete group (module docs).
     pub fn unit_points(&self, start: u64, end: u64, end_of_turn: bool) -> Vec<u64> {
         let mut points: Vec<u64> = ((start / self.interval + 1)..=(end / self.interval))
             .map(|k| k * self.interval)
             .collect();
-        if end_of_turn {
-            let e = end / self.align * self.align;
-            if e > 0 && points.last() != Some(&e) && e > start {
-                points.push(e);
-            }
+        if end_of_turn && end > 0 && points.last() != Some(&end) && end > start {
+            points.push(end);
         }
         points
     }
@@ -279,8 +277,8 @@ impl Tiers {
     /// window snapshot goes to the DRAM pool under the unit's key.
     ///
     /// # Errors
-    /// [`Error::Unaligned`] (not a multiple of the largest ratio, or past the end), cache
-    /// errors, and those of [`SsdStore::put_unit`].
+    /// [`Error::UnitRange`] (empty, or past the sequence's end), cache errors, and those of
+    /// [`SsdStore::put_unit`].
     pub fn persist(
         &self,
         cache: &KvCache,
@@ -289,11 +287,8 @@ impl Tiers {
         upto: u64,
     ) -> Result<UnitTicket> {
         let len = cache.len(seq).map_err(Error::Cache)?;
-        if upto == 0 || upto > len || !upto.is_multiple_of(self.align) {
-            return Err(Error::Unaligned {
-                tokens: upto,
-                align: self.align,
-            });
+        if upto == 0 || upto > len {
+            return Err(Error::UnitRange { tokens: upto, len });
         }
         let tokens = cache.tokens(seq).map_err(Error::Cache)?;
         let source = CacheBlocks { cache, seq };
@@ -302,7 +297,9 @@ impl Tiers {
             tenant,
             tokens: &tokens[..upto as usize],
             page_tokens: self.geometry.page_tokens,
-            align: self.align as usize,
+            // Any length: blocks hold complete compress groups only, and the trailing group's
+            // state goes to the window snapshot.
+            align: 1,
             source: &source,
         })?;
         if upto == len
@@ -367,15 +364,36 @@ impl Tiers {
     }
 
     /// Creates a sequence in `cache` holding the prefix `hit` found for `tokens` (module
-    /// docs). A damaged or vanished block cuts the restore short: the sequence then holds the
-    /// prefix before it, and the result says so.
+    /// docs). A prefix that ends inside a compress group is restored whole when the pool holds
+    /// its window snapshot (which carries the group's compressor state), else up to the last
+    /// group boundary before it. A damaged or vanished block cuts the restore short: the
+    /// sequence then holds the prefix before it, and the result says so.
     ///
     /// # Errors
     /// Cache errors (no room, too many sequences), I/O set-up failures.
     pub fn restore(&self, cache: &mut KvCache, tokens: &[u32], hit: &TierHit) -> Result<Restored> {
         let g = self.geometry.clone();
         let p = g.page_tokens as u64;
-        let want = hit.tokens.min(tokens.len() as u64);
+        let mut want = hit.tokens.min(tokens.len() as u64);
+        // The snapshot at the prefix's end, read before the blocks: an unaligned end needs
+        // its pending compressor state to append the last block.
+        let mut snap = Vec::new();
+        let snapshot = match hit.key() {
+            Some(key) if hit.window && want == hit.tokens && self.pool.get(&key, &mut snap) => {
+                match parse_snapshot(&snap, &g) {
+                    Some(s) if s.tokens == want => Some(s),
+                    Some(_) => None,
+                    None => {
+                        log::warn!("window snapshot does not match the model; ignored");
+                        None
+                    }
+                }
+            }
+            _ => None,
+        };
+        if snapshot.is_none() {
+            want = want / self.align * self.align;
+        }
         // Whole blocks the cache's own prefix index still holds cost no I/O.
         let mapped = cache
             .lookup_prefix(&tokens[..want as usize])
@@ -386,17 +404,26 @@ impl Tiers {
         let seq = created.seq;
         let mapped = created.tokens;
         let first_block = (mapped / p) as usize;
-        let keys = hit.store.keys.get(first_block..).unwrap_or_default();
+        let last_block = want.div_ceil(p) as usize;
+        let keys = hit
+            .store
+            .keys
+            .get(first_block..last_block.max(first_block))
+            .unwrap_or_default();
         let mut read_bytes = 0u64;
         let empty: Vec<&[f32]> = vec![&[]; g.sources.len()];
+        let tail_pending: Vec<&[f32]> = match &snapshot {
+            Some(s) => s.pending.iter().map(Vec::as_slice).collect(),
+            None => empty.clone(),
+        };
         let read = self.store.read_blocks(keys, |i, h, kv| {
             let idx = (first_block + i) as u64;
             let first = idx * p;
-            let n = u64::from(h.tokens);
-            let expect = block_payload_bytes(&g, n);
+            let stored = u64::from(h.tokens);
+            let expect = block_payload_bytes(&g, stored);
             let bad = |reason: String| Error::Payload {
                 block: idx as usize,
-                tokens: n,
+                tokens: stored,
                 reason,
             };
             if kv.len() as u64 != expect {
@@ -405,6 +432,9 @@ impl Tiers {
                     kv.len()
                 )));
             }
+            // The block's tokens that are restored (the last one may end earlier: at the
+            // group boundary before an unaligned end without a snapshot).
+            let n = stored.min(want.saturating_sub(first));
             let tok = tokens
                 .get(first as usize..(first + n) as usize)
                 .ok_or_else(|| bad("block past the request's tokens".into()))?;
@@ -412,19 +442,25 @@ impl Tiers {
             let mut index = Vec::with_capacity(g.sources.len());
             let mut rest = kv;
             for s in &g.sources {
-                let e = (n / u64::from(s.ratio)) as usize;
-                let (a, r) = rest.split_at(e * g.global_entry_bytes);
-                let (b, r) = r.split_at(e * g.index_entry_bytes);
+                let m = u64::from(s.ratio);
+                let (stored_e, e) = ((stored / m) as usize, (n / m) as usize);
+                let (a, r) = rest.split_at(stored_e * g.global_entry_bytes);
+                let (b, r) = r.split_at(stored_e * g.index_entry_bytes);
                 rest = r;
                 global.push(
-                    <[GlobalFp4Entry]>::ref_from_bytes(a)
+                    <[GlobalFp4Entry]>::ref_from_bytes(&a[..e * g.global_entry_bytes])
                         .map_err(|_| bad("global entries".into()))?,
                 );
                 index.push(
-                    <[IndexMxfp4Entry]>::ref_from_bytes(b)
+                    <[IndexMxfp4Entry]>::ref_from_bytes(&b[..e * g.index_entry_bytes])
                         .map_err(|_| bad("indexer keys".into()))?,
                 );
             }
+            let pending = if first + n == want && !want.is_multiple_of(self.align) {
+                tail_pending.clone()
+            } else {
+                empty.clone()
+            };
             cache
                 .append(
                     seq,
@@ -433,7 +469,7 @@ impl Tiers {
                         global,
                         index,
                         window: &[],
-                        pending: empty.clone(),
+                        pending,
                     },
                 )
                 .map_err(Error::Cache)?;
@@ -450,8 +486,25 @@ impl Tiers {
         };
         let len = cache.len(seq).map_err(Error::Cache)?;
         let mut window = false;
-        if len == want && hit.window && len > 0 {
-            window = self.restore_window(cache, seq, hit)?;
+        if let Some(s) = &snapshot
+            && len == want
+            && len > 0
+        {
+            cache
+                .write_window(seq, len - s.rows, s.window)
+                .map_err(Error::Cache)?;
+            if len.is_multiple_of(self.align) {
+                // An aligned end has no pending state in its blocks' appends; set it (empty
+                // for every source at an aligned end, so this only checks the snapshot).
+                for (src, values) in g.sources.iter().zip(&s.pending) {
+                    if src.ratio > 1 && !values.is_empty() {
+                        cache
+                            .set_pending(seq, src.layer, values)
+                            .map_err(Error::Cache)?;
+                    }
+                }
+            }
+            window = true;
         }
         let replay = (!window && len > 0).then(|| ReplayPlan {
             start: len.saturating_sub(g.window_tokens as u64),
@@ -467,38 +520,6 @@ impl Tiers {
             replay,
             damaged: matches!(outcome, ReadOutcome::Damaged { .. }),
         })
-    }
-
-    /// Writes the pool's snapshot at the hit's end into the sequence; false when it is gone
-    /// (expired since the lookup) or does not fit.
-    fn restore_window(&self, cache: &mut KvCache, seq: SequenceId, hit: &TierHit) -> Result<bool> {
-        let Some(key) = hit.key() else {
-            return Ok(false);
-        };
-        let g = &self.geometry;
-        let len = cache.len(seq).map_err(Error::Cache)?;
-        let mut snap = Vec::new();
-        if !self.pool.get(&key, &mut snap) {
-            return Ok(false);
-        }
-        let Some(parsed) = parse_snapshot(&snap, g) else {
-            log::warn!("window snapshot does not match the model; ignored");
-            return Ok(false);
-        };
-        if parsed.tokens != len {
-            return Ok(false);
-        }
-        cache
-            .write_window(seq, len - parsed.rows, parsed.window)
-            .map_err(Error::Cache)?;
-        for (s, values) in g.sources.iter().zip(&parsed.pending) {
-            if s.ratio > 1 && !values.is_empty() {
-                cache
-                    .set_pending(seq, s.layer, values)
-                    .map_err(Error::Cache)?;
-            }
-        }
-        Ok(true)
     }
 
     /// Waits until every persisted unit is durable.

@@ -166,8 +166,8 @@ fn persist_lookup_restore_with_window_snapshot_then_replay_after_ttl() {
         .wait()
         .unwrap();
     assert!(
-        tiers.persist(&src, seq, &tenant, 999).is_err(),
-        "odd ends are refused"
+        tiers.persist(&src, seq, &tenant, 1001).is_err(),
+        "a unit past the sequence's end is refused"
     );
 
     // A request that extends the prompt hits the whole unit, with its window.
@@ -229,7 +229,8 @@ fn interval_units_share_blocks_with_the_final_one() {
     let tiers = tiers(dir.path(), clock);
     assert_eq!(tiers.unit_points(0, 10_000, true), [4096, 8192, 10_000]);
     assert_eq!(tiers.unit_points(4000, 4100, false), [4096]);
-    assert_eq!(tiers.unit_points(0, 1001, true), [1000]);
+    // A turn ends where it ends: its snapshot holds the trailing group's compressor state.
+    assert_eq!(tiers.unit_points(0, 1001, true), [1001]);
     assert_eq!(tiers.unit_points(0, 4096, true), [4096]);
     let tenant = Tenant::new("t");
     let tokens: Vec<u32> = (0..2600).map(|i| i ^ 0x55).collect();
@@ -308,9 +309,9 @@ fn units_as_bytes_round_trip_between_tenants_and_bad_shapes_are_refused() {
     let mut fewer = data.clone();
     fewer.blocks.pop();
     assert!(refused(&fewer, &tokens).contains("3 blocks given"));
-    let mut odd = data.clone();
-    odd.tokens = 999;
-    assert!(refused(&odd, &tokens[..999]).contains("multiple of 2"));
+    let mut mismatched = data.clone();
+    mismatched.tokens = 999;
+    assert!(refused(&mismatched, &tokens).contains("does not fit"));
     let mut long_window = data.clone();
     long_window.window.as_mut().unwrap().push(0);
     assert!(refused(&long_window, &tokens).contains("window snapshot"));
@@ -327,4 +328,57 @@ fn units_as_bytes_round_trip_between_tenants_and_bad_shapes_are_refused() {
         .wait()
         .unwrap();
     assert_eq!(tiers.lookup(tokens_998, &c).tokens, 998);
+}
+
+#[test]
+fn a_unit_may_end_inside_a_compress_group_and_comes_back_whole_with_its_window() {
+    let dir = TempDir::new("units-odd");
+    let clock = Arc::new(ManualClock::new(1_700_000_000_000));
+    let tiers = tiers(dir.path(), clock.clone());
+    let tenant = Tenant::new("acme");
+    // 777 tokens: the ratio-2 sources hold 388 entries and one pending token each.
+    let tokens: Vec<u32> = (0..777).map(|i| i * 5 + 3).collect();
+    let mut src = cache();
+    let seq = build(&mut src, &tokens, 4);
+    assert!(src.pending(seq, 2).unwrap().is_some_and(|p| !p.is_empty()));
+    tiers
+        .persist(&src, seq, &tenant, 777)
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(tiers.unit_points(700, 777, true), vec![777]);
+
+    let mut request = tokens.clone();
+    request.push(9);
+    let hit = tiers.lookup(&request, &tenant);
+    assert_eq!((hit.tokens, hit.window), (777, true));
+    let mut dst = cache();
+    let r = tiers.restore(&mut dst, &request, &hit).unwrap();
+    assert_eq!((r.tokens, r.window, r.replay), (777, true, None));
+    same(&src, seq, &dst, r.seq, true);
+    for s in src.geometry().sources.iter().filter(|s| s.ratio > 1) {
+        assert_eq!(
+            src.pending(seq, s.layer).unwrap(),
+            dst.pending(r.seq, s.layer).unwrap(),
+            "pending state of layer {}",
+            s.layer
+        );
+    }
+
+    // Without the snapshot (TTL) only the prefix up to the group boundary comes back, and the
+    // window is replayed from there.
+    clock.advance(DEFAULT_TTL_MS);
+    let hit = tiers.lookup(&request, &tenant);
+    assert_eq!((hit.tokens, hit.window), (777, false));
+    let r = tiers.restore(&mut dst, &request, &hit).unwrap();
+    assert_eq!(r.tokens, 776);
+    assert_eq!(
+        r.replay,
+        Some(ReplayPlan {
+            start: 648,
+            end: 776
+        })
+    );
+    same(&src, seq, &dst, r.seq, false);
+    assert!(dst.pending(r.seq, 2).unwrap().is_none_or(<[f32]>::is_empty));
 }
