@@ -148,6 +148,13 @@ impl SsdStore {
         let mut commits: HashMap<Key, Vec<(RecordHeader, Loc, Vec<Key>)>> = HashMap::new();
         for scan in scans {
             report.bytes_read += scan.bytes_read;
+            // A directory file name is never given to a new segment while a file of that name
+            // may exist (an invalid one is kept for inspection): creating the segment would
+            // reuse the file, whose old bytes are then read back as damage or, when they
+            // carry that segment id, as records of the new segment.
+            if matches!(opts.location, StoreLocation::Directory(_)) {
+                max_seg = max_seg.max(scan.slot);
+            }
             for d in &scan.damage {
                 if d.torn_tail {
                     report.torn_tail_ranges += 1;
