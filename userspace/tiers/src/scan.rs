@@ -272,6 +272,19 @@ pub(crate) fn scan_segment(
         Err(e) => {
             if head.iter().any(|&b| b != 0) {
                 scan.header_error = Some(format!("segment header: {e}"));
+            } else if !device
+                && reader.fill(page, page)
+                && reader.get(page, page).iter().any(|&b| b != 0)
+            {
+                // A zero header page is what a crash leaves in a directory file created just
+                // before it (the header is written before any record, into a file of zeros),
+                // and such a file is removed. With bytes after it, the header was lost
+                // (zeroed): report it, and keep the file, rather than drop its records
+                // silently. Device slots are exempt: a freed slot is a zeroed header page in
+                // front of its earlier life's records.
+                scan.header_error = Some(
+                    "the segment header page is zero but records follow (header lost)".to_owned(),
+                );
             }
             let (read, _) = reader.finish();
             scan.bytes_read = read;

@@ -399,13 +399,14 @@ fn damage_campaign_serves_intact_units_or_misses() {
     );
 }
 
-/// The cases of the campaign that found bugs (fixed; see the test below). Layouts depend on
-/// the writer's timing, so a seed reproduces its bug often, not always: the named tests do.
+/// The cases of the campaign that found bugs (fixed; see the two tests below). Layouts depend
+/// on the writer's timing, so a seed reproduces its bug often, not always: the named tests do.
 #[test]
 fn damage_campaign_regressions() {
     // 55: a segment copied under an unused, higher name was reused as a new segment, and its
-    // old bytes read back as new damage.
-    for case in [55] {
+    // old bytes read back as new damage. 59: a zeroed segment header made open delete the file
+    // and fsck call the store clean.
+    for case in [55, 59] {
         run_case(case);
     }
 }
@@ -459,4 +460,44 @@ fn a_segment_copied_under_an_unused_name_is_never_reused() {
     assert_eq!(served(&store, &t, &units, "original"), all);
     let all: BTreeSet<usize> = (0..more.len()).collect();
     assert_eq!(served(&store, &t, &more, "new"), all);
+}
+
+#[test]
+fn a_zeroed_segment_header_is_reported_and_the_file_kept() {
+    let dir = TempDir::new("zeroed-header");
+    let opts = damage_opts(dir.path());
+    let clock = Arc::new(ManualClock::new(1_700_000_000_000));
+    let t = Tenant::new("damage");
+    let units = written_store(dir.path(), &clock, &t);
+    let files = segment_files(dir.path());
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&files[0])
+        .unwrap();
+    f.write_all_at(&[0u8; ALIGN], 0).unwrap();
+    drop(f);
+    let report = fsck(&opts).unwrap();
+    assert!(!report.clean());
+    assert_eq!(
+        report.invalid_segments.len(),
+        1,
+        "{:?}",
+        report.invalid_segments
+    );
+    assert!(report.invalid_segments[0].contains("zero"));
+    let store = open(opts.clone(), clock);
+    assert_eq!(store.recovery().invalid_segments.len(), 1);
+    assert!(
+        files[0].exists(),
+        "open removed a segment that holds records"
+    );
+    let served = served(&store, &t, &units, "zeroed header");
+    assert!(!served.is_empty() && served.len() < units.len());
+    // A file of zeros (created just before a crash) is still removed.
+    drop(store);
+    let empty = dir.path().join(segment_name(99));
+    std::fs::write(&empty, vec![0u8; 64 << 10]).unwrap();
+    assert!(fsck(&opts).unwrap().invalid_segments.len() == 1);
+    drop(open(opts, Arc::new(ManualClock::new(1_700_000_000_000))));
+    assert!(!empty.exists());
 }
