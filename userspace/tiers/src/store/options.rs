@@ -153,6 +153,10 @@ pub struct RecoveryReport {
     /// Commits discarded because a block they name is missing or invalid (torn or damaged
     /// units).
     pub units_discarded: u64,
+    /// Units not restored because their newest record is a delete.
+    pub units_deleted: u64,
+    /// Delete records kept (an older commit of their key is still on disk).
+    pub tombstones: u64,
     /// Records cut short by a crash (after the last valid record of their segment).
     pub torn_tail_ranges: u64,
     /// Damage found before valid records (reported with its location).
@@ -202,6 +206,12 @@ pub struct StoreStats {
     pub failed_writes: u64,
     /// Units evicted past retention.
     pub units_evicted: u64,
+    /// Units removed by acknowledged deletes.
+    pub units_deleted: u64,
+    /// Deletes acknowledged (durable), whether or not they found a unit.
+    pub deletes: u64,
+    /// Delete records kept (an older commit of their key is still on disk).
+    pub tombstones: u64,
     /// Segments compacted.
     pub segments_compacted: u64,
     /// Segments freed.
