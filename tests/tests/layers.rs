@@ -33,7 +33,13 @@ fn rank(name: &str) -> Option<u32> {
 fn workspace_edges() -> BTreeMap<String, Vec<(String, String)>> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let out = Command::new(cargo)
-        .args(["metadata", "--format-version", "1", "--no-deps", "--offline"])
+        .args([
+            "metadata",
+            "--format-version",
+            "1",
+            "--no-deps",
+            "--offline",
+        ])
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .output()
         .expect("cargo metadata runs");
@@ -81,15 +87,27 @@ fn every_dependency_points_down() {
             }
         }
     }
-    assert!(wrong.is_empty(), "layering violations:\n{}", wrong.join("\n"));
+    assert!(
+        wrong.is_empty(),
+        "layering violations:\n{}",
+        wrong.join("\n")
+    );
 }
 
 #[test]
 fn the_check_sees_the_whole_workspace() {
     // A vacuous pass (metadata parsed to nothing) must not hide violations.
     let edges = workspace_edges();
-    for name in ["kvstack-spec", "kvstack-engine", "kvstack-tools", "kvstack-tests"] {
-        assert!(edges.contains_key(name), "{name} missing from cargo metadata");
+    for name in [
+        "kvstack-spec",
+        "kvstack-engine",
+        "kvstack-tools",
+        "kvstack-tests",
+    ] {
+        assert!(
+            edges.contains_key(name),
+            "{name} missing from cargo metadata"
+        );
     }
     let engine = &edges["kvstack-engine"];
     assert!(engine.iter().any(|(d, _)| d == "kvstack-tiers"));
