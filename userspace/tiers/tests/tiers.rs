@@ -1048,3 +1048,86 @@ fn deletes_outlive_older_commits_through_compaction_and_are_dropped_after() {
         assert_eq!(read_and_check(&store, &t, u).0, u.len() as u64);
     }
 }
+
+/// A store full of young data, restarted between deletes (each restart seals the segments
+/// written, so each session's first delete needs a segment of its own): deletes still go
+/// through, and the room they free takes new units. Found by the crash campaign, where the
+/// store ended up with every slot in use and compaction with nowhere to copy to.
+#[test]
+fn deletes_make_room_in_a_full_store_across_restarts() {
+    let dir = TempDir::new("delete-full");
+    let c = clock();
+    let t = Tenant::new("t");
+    let opts = small_opts(dir.path());
+    let units = {
+        let store = open(opts.clone(), c.clone());
+        let units = fill(&store, &t, 57, 1000);
+        assert!(store.stats().refused_full > 0);
+        units
+    };
+    assert!(units.len() >= 15, "{}", units.len());
+    for (i, u) in units.iter().enumerate() {
+        let store = open(opts.clone(), c.clone());
+        let r = del(&store, &t, u).unwrap().wait();
+        assert_eq!(r.unwrap(), DeleteOutcome::Deleted, "delete {i}");
+        store.check_index().unwrap();
+        store.close().unwrap();
+    }
+    // The room the deletes freed takes as much new data again.
+    let store = open(opts.clone(), c.clone());
+    let fresh = fill(&store, &t, 58, units.len() as u32);
+    assert_eq!(fresh.len(), units.len());
+    store.close().unwrap();
+    let store = open(opts, c);
+    for u in &units {
+        assert_eq!(store.lookup(&model(), &t, u, P).tokens, 0);
+    }
+    for u in &fresh {
+        assert_eq!(read_and_check(&store, &t, u).0, u.len() as u64);
+    }
+}
+
+/// A store full of live young data, where no segment is dead enough to compact: deletes keep
+/// going through once their own segment is full (a segment with any dead page is compacted to
+/// make room for them).
+#[test]
+fn deletes_go_through_in_a_store_full_of_live_data() {
+    let dir = TempDir::new("delete-live");
+    let c = clock();
+    let t = Tenant::new("t");
+    let mut opts = small_opts(dir.path());
+    // 15 pages a segment: a delete segment holds 15 deletes.
+    opts.segment_bytes = 16 * ALIGN as u64;
+    opts.capacity_bytes = 64 * opts.segment_bytes;
+    let store = open(opts, c.clone());
+    // Units of four blocks (10 pages), each with two prefix units (a commit of 2 pages each,
+    // sharing its blocks), until the store refuses.
+    let mut longs = Vec::new();
+    let mut prefixes = Vec::new();
+    'fill: for u in 0..1000 {
+        let long = unit_tokens(59, u, 0, 4 * P);
+        let family = [long.clone(), long[..P].to_vec(), long[..2 * P].to_vec()];
+        for tok in &family {
+            match put(&store, &t, tok).and_then(|tk| tk.wait()) {
+                Ok(()) => {}
+                Err(Error::StoreFull { .. }) => break 'fill,
+                Err(e) => panic!("{e}"),
+            }
+        }
+        longs.push(family[0].clone());
+        prefixes.extend(family[1..].iter().cloned());
+    }
+    assert!(prefixes.len() > 60, "{}", prefixes.len());
+    // Deleting the prefixes frees 2 pages in 14 and keeps every delete (the older commits
+    // stay behind, in the long units' segments): far more deletes than one segment holds.
+    for (i, u) in prefixes.iter().enumerate() {
+        let r = del(&store, &t, u).unwrap().wait();
+        assert_eq!(r.unwrap(), DeleteOutcome::Deleted, "delete {i}");
+    }
+    let s = store.stats();
+    assert!(s.segments_compacted > 0 && s.tombstones > 15, "{s:#?}");
+    store.check_index().unwrap();
+    for u in &longs {
+        assert_eq!(read_and_check(&store, &t, u).0, u.len() as u64);
+    }
+}

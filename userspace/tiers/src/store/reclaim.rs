@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use kvstack_driver::blockio::{Completion, IoOp, OpKind};
 use kvstack_firmware_interface::record::{
-    KEY_BYTES, Key, RecordFlags, RecordHeader, RecordKind, SEGMENT_HEADER_PAGE, SegmentHeader,
-    horizon_bytes,
+    ALIGN, KEY_BYTES, Key, RecordFlags, RecordHeader, RecordKind, SEGMENT_HEADER_PAGE,
+    SegmentHeader, horizon_bytes,
 };
 
 use super::SsdStore;
@@ -42,15 +42,28 @@ impl SsdStore {
     }
 }
 
+/// What [`Writer::make_room`] achieved.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Room {
+    /// A slot beyond the reserve is free.
+    Freed,
+    /// A segment was compacted but no slot beyond the reserve freed.
+    Compacted,
+    /// Nothing could be reclaimed.
+    None,
+}
+
 impl Writer {
     /// A place for a record of `len` bytes: in the active segment, or a new one (reclaiming
-    /// space if none is free). Data goes to the data segment and may not take the last free
-    /// slot; uses (touch commits) and compaction go to the system segment, which may take it,
-    /// so data can never use up the room compaction needs.
+    /// space if none is free). Data goes to the data segment; uses (touch commits), deletes
+    /// and compaction go to the system segment. Data may not take the last two free slots,
+    /// touches and deletes not the last one: nothing but compaction can use up the room
+    /// compaction needs.
     pub(super) fn allocate(&mut self, len: u64) -> Result<(Arc<SegmentFile>, Loc)> {
         let shared = Arc::clone(&self.shared);
         let system = self.purpose != Purpose::Data;
         let mut waited = Duration::ZERO;
+        let mut compacted = 0;
         loop {
             {
                 let mut st = shared.lock();
@@ -84,7 +97,18 @@ impl Writer {
                     st.active = None;
                 }
                 free_retired(&mut st, &self.shared);
-                let reserve = if system { 0 } else { 1 };
+                // Two slots are kept back from data: touches and deletes may take the first
+                // (a use must be recordable, a delete writable, in a store full of young data),
+                // only compaction the last. Found by the crash campaign: when touches and
+                // deletes could take the last slot too, their segment filled it and a restart
+                // sealed it; with every slot in use, compaction had nowhere to copy even one
+                // page to, and the store stayed full although most of its segments were
+                // nearly dead.
+                let reserve = match self.purpose {
+                    Purpose::Data => 2,
+                    Purpose::Touch | Purpose::Delete => 1,
+                    Purpose::Compaction => 0,
+                };
                 if st.space.free() > reserve {
                     let id = st.next_segment;
                     st.next_segment += 1;
@@ -127,8 +151,15 @@ impl Writer {
             if self.purpose == Purpose::Compaction {
                 return Err(Error::StoreFull { needed: len });
             }
-            if self.make_room()? {
-                continue;
+            match self.make_room()? {
+                Room::Freed => continue,
+                // What compaction copied went to the system segment, and may have left room
+                // there for a touch or a delete (a few tries: compaction may free nothing).
+                Room::Compacted if system && compacted < 4 => {
+                    compacted += 1;
+                    continue;
+                }
+                Room::Compacted | Room::None => {}
             }
             // Retired segments still leased by readers free up as soon as the reads end.
             let leased = !self.st().retired.is_empty();
@@ -143,8 +174,9 @@ impl Writer {
 
     /// Frees a segment if anything may be reclaimed: units past retention are evicted oldest
     /// idle first until a segment holds nothing live; failing that, one mostly-dead segment is
-    /// compacted. Returns whether a segment slot was freed.
-    fn make_room(&mut self) -> Result<bool> {
+    /// compacted (for a delete, any segment with a dead page: a delete frees space, and
+    /// refusing it would keep a full store full).
+    fn make_room(&mut self) -> Result<Room> {
         let now = self.shared.clock.now_ms();
         let retention = self.shared.opts.retention_ms;
         {
@@ -154,7 +186,7 @@ impl Writer {
                 retire_empty(&mut st, &self.dirty);
                 free_retired(&mut st, &self.shared);
                 if st.space.free() > before {
-                    return Ok(true);
+                    return Ok(Room::Freed);
                 }
                 let Some(&(used, end)) = st.by_age.first() else {
                     break;
@@ -167,28 +199,42 @@ impl Writer {
             retire_empty(&mut st, &self.dirty);
             free_retired(&mut st, &self.shared);
             if st.space.free() > before {
-                return Ok(true);
+                return Ok(Room::Freed);
             }
         }
-        let Some(victim) = self.compaction_victim() else {
-            return Ok(false);
+        let limit = if self.purpose == Purpose::Delete {
+            self.st().space.segment_bytes - ALIGN as u64
+        } else {
+            self.live_limit()
+        };
+        let Some(victim) = self.compaction_victim(limit) else {
+            return Ok(Room::None);
         };
         match self.compact(victim) {
             Ok(()) => {}
             // No room to copy into: nothing may be reclaimed now.
-            Err(Error::StoreFull { .. }) => return Ok(false),
+            Err(Error::StoreFull { .. }) => return Ok(Room::None),
             Err(e) => return Err(e),
         }
         let mut st = self.st();
         free_retired(&mut st, &self.shared);
-        Ok(st.space.free() > 1)
+        Ok(if st.space.free() > 2 {
+            Room::Freed
+        } else {
+            Room::Compacted
+        })
     }
 
-    /// The segment with the fewest live bytes, if at most `compact_live_fraction` of it is
-    /// live and it is neither being written nor awaiting a sync.
-    fn compaction_victim(&self) -> Option<u64> {
+    /// Live bytes at most of a segment that is compacted (`compact_live_fraction`).
+    fn live_limit(&self) -> u64 {
+        let bytes = self.st().space.segment_bytes;
+        (self.shared.opts.compact_live_fraction * bytes as f64) as u64
+    }
+
+    /// The segment with the fewest live bytes, if at most `limit` of it are live and it is
+    /// neither being written nor awaiting a sync.
+    fn compaction_victim(&self, limit: u64) -> Option<u64> {
         let st = self.st();
-        let limit = (self.shared.opts.compact_live_fraction * st.space.segment_bytes as f64) as u64;
         st.segments
             .iter()
             .filter(|(id, s)| {
@@ -507,7 +553,8 @@ impl Writer {
             free_retired(&mut st, &self.shared);
         }
         let mut tried = HashSet::new();
-        while let Some(victim) = self.compaction_victim() {
+        let limit = self.live_limit();
+        while let Some(victim) = self.compaction_victim(limit) {
             if !tried.insert(victim) {
                 break;
             }
