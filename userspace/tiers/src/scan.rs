@@ -260,10 +260,15 @@ pub(crate) fn scan_segment(
     if !reader.fill(0, page) {
         let (read, err) = reader.finish();
         scan.bytes_read = read;
-        scan.header_error = Some(match err {
-            Some(e) => format!("cannot read the segment header: {e}"),
-            None => "shorter than one page".to_owned(),
-        });
+        scan.header_error = match err {
+            Some(e) => Some(format!("cannot read the segment header: {e}")),
+            // An empty file is what a crash leaves between creating a segment file and
+            // preallocating it (found by the crash campaign): like a zero header page, not
+            // damage. A file of 1 to 4095 bytes is never left by a crash (preallocation
+            // sizes it whole): it was truncated.
+            None if read == 0 => None,
+            None => Some("shorter than one page".to_owned()),
+        };
         return scan;
     }
     let head = reader.get(0, page);

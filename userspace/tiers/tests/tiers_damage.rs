@@ -97,10 +97,11 @@ fn records_of(path: &Path) -> Vec<(u64, RecordKind, u64)> {
     out
 }
 
-/// A file whose first two pages are zero (or absent): no header and no record.
+/// An empty file, or one whose first two pages are zero (or absent): no header and no
+/// record, what a crash leaves of a segment being created.
 fn is_empty_segment(path: &Path) -> bool {
     let bytes = std::fs::read(path).unwrap();
-    bytes.len() >= ALIGN && bytes.iter().take(2 * ALIGN).all(|&b| b == 0)
+    bytes.is_empty() || (bytes.len() >= ALIGN && bytes.iter().take(2 * ALIGN).all(|&b| b == 0))
 }
 
 fn segment_name(id: u64) -> String {
@@ -500,4 +501,35 @@ fn a_zeroed_segment_header_is_reported_and_the_file_kept() {
     assert!(fsck(&opts).unwrap().invalid_segments.len() == 1);
     drop(open(opts, Arc::new(ManualClock::new(1_700_000_000_000))));
     assert!(!empty.exists());
+}
+
+/// Found by the crash campaign: a SIGKILL between creating a segment file and preallocating it
+/// leaves an empty file, which fsck reported as an invalid segment.
+#[test]
+fn an_empty_segment_file_is_a_crash_leftover_and_a_short_one_is_damage() {
+    let dir = TempDir::new("empty-segment");
+    let opts = damage_opts(dir.path());
+    let clock = Arc::new(ManualClock::new(1_700_000_000_000));
+    let t = Tenant::new("damage");
+    let units = written_store(dir.path(), &clock, &t);
+    let empty = dir.path().join(segment_name(90));
+    std::fs::write(&empty, []).unwrap();
+    let report = fsck(&opts).unwrap();
+    assert!(report.clean(), "{:?}", report.invalid_segments);
+    drop(open(opts.clone(), clock.clone()));
+    assert!(!empty.exists(), "a read-write open removes the leftover");
+    // 1 to 4095 bytes: no crash leaves that (preallocation sizes a file whole).
+    let short = dir.path().join(segment_name(91));
+    std::fs::write(&short, [7u8; 100]).unwrap();
+    let report = fsck(&opts).unwrap();
+    assert_eq!(
+        report.invalid_segments.len(),
+        1,
+        "{:?}",
+        report.invalid_segments
+    );
+    let store = open(opts, clock);
+    assert!(short.exists());
+    let all: BTreeSet<usize> = (0..units.len()).collect();
+    assert_eq!(served(&store, &t, &units, "with leftovers"), all);
 }
