@@ -1,6 +1,8 @@
 //! Deleting a unit: `delete_unit` queues a delete, the write-behind thread writes a delete
 //! record (a tombstone) in the commits' phase, the syncer makes it durable and only then
-//! removes the unit from the index and acknowledges the ticket.
+//! removes the unit from the index and acknowledges the ticket. (Spec §7 keeps a unit at least
+//! 72 hours after its last use; a delete ends that on request, e.g. when a tenant withdraws
+//! its data.)
 //!
 //! A delete record must outlive every older commit of its key on disk: recovery restores a
 //! unit only from a commit newer than the key's newest delete (its horizon), so forgetting the

@@ -393,7 +393,8 @@ impl SsdStore {
         report.seconds = start.elapsed().as_secs_f64();
         log::info!(
             "store {}: recovered {} units, {} blocks from {} segments ({} records, {} bytes \
-             read) in {:.3} s; {} torn tails discarded, {} damaged ranges, {} units discarded",
+             read) in {:.3} s; {} torn tails discarded, {} damaged ranges, {} units discarded, \
+             {} units deleted ({} deletes kept)",
             opts.location.path().display(),
             report.units,
             report.blocks,
@@ -403,7 +404,9 @@ impl SsdStore {
             report.seconds,
             report.torn_tail_ranges,
             report.damaged.len(),
-            report.units_discarded
+            report.units_discarded,
+            report.units_deleted,
+            report.tombstones
         );
         for d in &report.damaged {
             log::warn!(

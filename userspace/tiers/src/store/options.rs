@@ -29,7 +29,7 @@ pub const V41_BLOCK_PAYLOAD: usize = V41_BLOCK_ENTRIES
     * (GlobalFp4Entry::BYTES + IndexMxfp4Entry::BYTES)
     + V41_BLOCK_TOKENS * size_of::<u32>();
 
-/// Options of [`SsdStore::open`].
+/// Options of [`SsdStore::open`](super::SsdStore::open).
 #[derive(Clone, Debug)]
 pub struct StoreOptions {
     /// Where the segments live.
@@ -137,7 +137,7 @@ impl StoreOptions {
     }
 }
 
-/// What [`SsdStore::open`] found and how long it took.
+/// What [`SsdStore::open`](super::SsdStore::open) found and how long it took.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct RecoveryReport {
     /// Wall time of the whole recovery (listing, scanning, index building), seconds.
@@ -198,7 +198,7 @@ pub struct StoreStats {
     pub blocks_shared: u64,
     /// Record bytes written (blocks, commits, relocations, segment headers).
     pub bytes_written: u64,
-    /// Units refused because nothing could be reclaimed.
+    /// Units (and deletes) refused because nothing could be reclaimed.
     pub refused_full: u64,
     /// Units refused because the write-behind queue was full.
     pub refused_queue: u64,
@@ -230,7 +230,7 @@ pub struct StoreStats {
     pub recovery: RecoveryReport,
 }
 
-/// What [`SsdStore::reclaim`] did.
+/// What [`SsdStore::reclaim`](super::SsdStore::reclaim) did.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct ReclaimReport {
     /// Units evicted past retention.

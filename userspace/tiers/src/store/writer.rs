@@ -666,7 +666,15 @@ pub(super) fn sync_loop(shared: &Shared, rx: &mpsc::Receiver<SyncWork>) {
                         Ok(outcome)
                     }
                     _ => {
-                        bump(&shared.counters.failed_writes, 1);
+                        let full = matches!(r.error, Some(Error::StoreFull { .. }));
+                        bump(
+                            if full {
+                                &shared.counters.refused_full
+                            } else {
+                                &shared.counters.failed_writes
+                            },
+                            1,
+                        );
                         Err(r.error.take().unwrap_or_else(|| Error::WriteFailed {
                             reason: failure
                                 .clone()
