@@ -113,6 +113,14 @@ pub enum Error {
     /// Reserved bytes are not zero.
     #[error("reserved header bytes are not zero")]
     RecordReserved,
+    /// A header field whose value the record's kind does not allow.
+    #[error("header field `{field}`: {reason}")]
+    RecordField {
+        /// The field.
+        field: &'static str,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
     /// A payload length that is out of range or inconsistent with the header.
     #[error("payload length {len}: {reason}")]
     RecordPayloadLength {

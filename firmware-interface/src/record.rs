@@ -79,6 +79,9 @@ pub enum RecordKind {
     /// The commit of a unit: the keys of its blocks, first to last. A unit is visible only
     /// when its commit and every block it names are present and valid.
     Commit,
+    /// The delete of a unit (a tombstone): every commit of its key older than the delete's
+    /// horizon ([`RecordHeader::delete_horizon`]) no longer counts. No payload.
+    Delete,
 }
 
 impl RecordKind {
@@ -87,6 +90,7 @@ impl RecordKind {
         match self {
             RecordKind::Block => 1,
             RecordKind::Commit => 2,
+            RecordKind::Delete => 3,
         }
     }
 
@@ -95,6 +99,7 @@ impl RecordKind {
         match code {
             1 => Some(RecordKind::Block),
             2 => Some(RecordKind::Commit),
+            3 => Some(RecordKind::Delete),
             _ => None,
         }
     }
@@ -104,6 +109,7 @@ impl RecordKind {
         match self {
             RecordKind::Block => "block",
             RecordKind::Commit => "commit",
+            RecordKind::Delete => "delete",
         }
     }
 }
@@ -156,15 +162,16 @@ pub struct RawRecordHeader {
     /// Block key, or for a commit the unit key (the key of its last block).
     pub key: [u8; KEY_BYTES],
     /// Block: the parent's key (the root key of model and tenant for a first block). Commit:
-    /// zero.
+    /// zero. Delete: the horizon (u64 little-endian) in the first 8 bytes, then zero.
     pub parent: [u8; KEY_BYTES],
     /// Model fingerprint (first 16 bytes).
     pub model: [u8; MODEL_BYTES],
     /// Tenant id (first 8 bytes of BLAKE3 of the tenant name, little-endian).
     pub tenant: U64,
-    /// Block: tokens it covers. Commit: tokens of the whole unit.
+    /// Block: tokens it covers. Commit and delete: tokens of the whole unit.
     pub tokens: U32,
-    /// Block: its depth in the chain (1 for a first block). Commit: number of keys.
+    /// Block: its depth in the chain (1 for a first block). Commit: number of keys. Delete:
+    /// zero.
     pub count: U32,
     /// Bytes of payload that follow the header page (before padding).
     pub payload_len: U64,
@@ -195,15 +202,16 @@ pub struct RecordHeader {
     pub segment: u64,
     /// Block key or unit key.
     pub key: Key,
-    /// Parent key (blocks) or zero (commits).
+    /// Parent key (blocks), zero (commits), or the horizon followed by zeros (deletes; read it
+    /// with [`RecordHeader::delete_horizon`], write it with [`horizon_bytes`]).
     pub parent: Key,
     /// Model fingerprint.
     pub model: [u8; MODEL_BYTES],
     /// Tenant id.
     pub tenant: u64,
-    /// Tokens of the block (blocks) or of the unit (commits).
+    /// Tokens of the block (blocks) or of the unit (commits, deletes).
     pub tokens: u32,
-    /// Depth of the block (blocks) or number of keys (commits).
+    /// Depth of the block (blocks), number of keys (commits) or zero (deletes).
     pub count: u32,
     /// Payload bytes.
     pub payload_len: u64,
@@ -337,7 +345,33 @@ impl RecordHeader {
                 });
             }
         }
+        if kind == RecordKind::Delete {
+            if payload_len != 0 {
+                return Err(Error::RecordPayloadLength {
+                    len: payload_len,
+                    reason: "a delete has no payload",
+                });
+            }
+            if h.count != 0 || h.parent[8..].iter().any(|&b| b != 0) {
+                return Err(Error::RecordReserved);
+            }
+            // The horizon is the sequence number of the original delete; a copy written by
+            // compaction has a larger sequence number of its own, never a smaller one.
+            let horizon = horizon_of(&h.parent);
+            if horizon == 0 || horizon > h.seq {
+                return Err(Error::RecordField {
+                    field: "horizon",
+                    reason: "a delete's horizon must be in 1..=seq",
+                });
+            }
+        }
         Ok(h)
+    }
+
+    /// A delete's horizon: commits of its key with a smaller sequence number are deleted.
+    /// `None` for other kinds.
+    pub fn delete_horizon(&self) -> Option<u64> {
+        (self.kind == RecordKind::Delete).then(|| horizon_of(&self.parent))
     }
 
     /// Bytes of the whole record on disk: the header page plus the payload rounded up to
@@ -366,6 +400,20 @@ impl RecordHeader {
         }
         Ok(())
     }
+}
+
+/// The `parent` field of a delete whose horizon is `horizon` (the sequence number of the
+/// original delete record; a copy made by compaction keeps it).
+pub fn horizon_bytes(horizon: u64) -> Key {
+    let mut k = [0u8; KEY_BYTES];
+    k[..8].copy_from_slice(&horizon.to_le_bytes());
+    k
+}
+
+fn horizon_of(parent: &Key) -> u64 {
+    let mut b = [0u8; 8];
+    b.copy_from_slice(&parent[..8]);
+    u64::from_le_bytes(b)
 }
 
 /// Bytes on disk of a record with `payload_len` bytes of payload (header page + padded
@@ -709,6 +757,75 @@ mod tests {
         assert!(matches!(
             RecordHeader::decode(&c.encode()),
             Err(Error::RecordPayloadLength { .. })
+        ));
+    }
+
+    fn delete() -> RecordHeader {
+        RecordHeader {
+            kind: RecordKind::Delete,
+            flags: RecordFlags::EMPTY,
+            parent: horizon_bytes(7),
+            count: 0,
+            payload_len: 0,
+            payload_crc: crc32c(&[]),
+            ..header()
+        }
+    }
+
+    #[test]
+    fn delete_records_roundtrip_and_reject_what_they_cannot_hold() {
+        let mut buf = vec![0xFFu8; ALIGN];
+        assert_eq!(encode_record(&delete(), &[], &mut buf).unwrap(), ALIGN);
+        let h = RecordHeader::decode(&buf).unwrap();
+        assert_eq!(h, delete());
+        assert_eq!(h.delete_horizon(), Some(7));
+        assert_eq!(h.record_len(), ALIGN as u64);
+        assert_eq!(buf[16], 3, "kind byte");
+        assert_eq!(buf[72..80], 7u64.to_le_bytes());
+        assert_eq!(header().delete_horizon(), None);
+        // A copy by compaction keeps the horizon below its own sequence number.
+        let copy = RecordHeader {
+            seq: 90,
+            flags: RecordFlags::RELOCATED,
+            ..delete()
+        };
+        assert_eq!(
+            RecordHeader::decode(&copy.encode())
+                .unwrap()
+                .delete_horizon(),
+            Some(7)
+        );
+        for bad in [
+            RecordHeader {
+                payload_len: 32,
+                ..delete()
+            },
+            RecordHeader {
+                count: 1,
+                ..delete()
+            },
+            RecordHeader {
+                parent: [1; 32],
+                ..delete()
+            },
+            RecordHeader {
+                parent: horizon_bytes(0),
+                ..delete()
+            },
+            RecordHeader {
+                parent: horizon_bytes(8),
+                ..delete()
+            },
+        ] {
+            assert!(RecordHeader::decode(&bad.encode()).is_err(), "{bad:?}");
+        }
+        // Kinds after `Delete` are still refused.
+        let mut raw = RawRecordHeader::read_from_bytes(&delete().encode()[..]).unwrap();
+        raw.kind = 4;
+        raw.header_crc = U32::new(crc32c(&raw.as_bytes()[..RecordHeader::CRC_OFFSET]));
+        assert!(matches!(
+            RecordHeader::decode(raw.as_bytes()),
+            Err(Error::RecordKind { code: 4 })
         ));
     }
 

@@ -125,6 +125,11 @@ fn stats(a: &StoreArgs) -> Result<(), CliError> {
             s.segments, s.segment_slots, s.segment_bytes
         )?;
         writeln!(out, "units        {}", s.units)?;
+        writeln!(
+            out,
+            "deletes      {} kept ({} units deleted at the last open)",
+            s.tombstones, r.units_deleted
+        )?;
         writeln!(out, "blocks       {}", s.blocks)?;
         writeln!(
             out,
@@ -171,13 +176,15 @@ fn check(a: &StoreArgs) -> Result<(), CliError> {
             }
             writeln!(
                 out,
-                "{} segments, {} records ({} blocks, {} commits), {} complete units, {} bytes \
-                 read in {:.3} s",
+                "{} segments, {} records ({} blocks, {} commits, {} deletes), {} complete \
+                 units, {} deleted, {} bytes read in {:.3} s",
                 r.segments,
                 r.records,
                 r.blocks,
                 r.commits,
+                r.deletes,
                 r.units_complete,
+                r.units_deleted,
                 r.bytes_read,
                 r.seconds
             )?;
@@ -293,13 +300,13 @@ fn list(a: &StoreArgs, records: bool) -> Result<(), CliError> {
         if records {
             writeln!(
                 out,
-                "{:<8} {:>10} {:<6} {:>8} {:<16} {:>6} {:>6} {:>8}",
-                "segment", "offset", "kind", "seq", "key", "tokens", "count", "payload"
+                "{:<8} {:>10} {:<6} {:>8} {:<16} {:>6} {:>6} {:>8} {:>8}",
+                "segment", "offset", "kind", "seq", "key", "tokens", "count", "payload", "horizon"
             )?;
             for x in &r.records {
                 writeln!(
                     out,
-                    "{:<8} {:>10} {:<6} {:>8} {:<16} {:>6} {:>6} {:>8}",
+                    "{:<8} {:>10} {:<6} {:>8} {:<16} {:>6} {:>6} {:>8} {:>8}",
                     x.segment,
                     x.offset,
                     x.kind,
@@ -307,7 +314,8 @@ fn list(a: &StoreArgs, records: bool) -> Result<(), CliError> {
                     &x.key[..16.min(x.key.len())],
                     x.tokens,
                     x.count,
-                    x.payload_len
+                    x.payload_len,
+                    x.horizon.map_or_else(|| "-".to_owned(), |h| h.to_string())
                 )?;
             }
         }

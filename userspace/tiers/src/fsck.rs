@@ -28,8 +28,16 @@ pub struct FsckReport {
     pub blocks: u64,
     /// Valid commit records.
     pub commits: u64,
+    /// Valid delete records.
+    pub deletes: u64,
+    /// Units whose newest record is a delete (not restored by an open).
+    pub units_deleted: u64,
     /// Units whose commit names only present, valid, correctly chained blocks.
     pub units_complete: u64,
+    /// Their keys, sorted (the units an open of the store serves). Left out of the JSON
+    /// output: a large store has millions.
+    #[serde(skip)]
+    pub complete_keys: Vec<Key>,
     /// Units that are not complete (a block missing, damaged or mis-chained), with the
     /// location of their newest commit. After a crash these are units whose data never
     /// reached the disk; otherwise they point at damage.
@@ -86,7 +94,7 @@ pub struct RecordSummary {
     pub segment: u64,
     /// Offset in the segment.
     pub offset: u64,
-    /// `block` or `commit`.
+    /// `block`, `commit` or `delete`.
     pub kind: &'static str,
     /// Sequence number.
     pub seq: u64,
@@ -104,6 +112,8 @@ pub struct RecordSummary {
     pub payload_len: u64,
     /// Flag bits.
     pub flags: u32,
+    /// A delete's horizon: commits of its key with a smaller sequence number are deleted.
+    pub horizon: Option<u64>,
     /// Creation time (ms).
     pub created_ms: u64,
     /// Last use recorded (ms).
@@ -145,7 +155,10 @@ pub fn fsck(opts: &StoreOptions) -> Result<FsckReport> {
         records: 0,
         blocks: 0,
         commits: 0,
+        deletes: 0,
+        units_deleted: 0,
         units_complete: 0,
+        complete_keys: Vec::new(),
         units_incomplete: Vec::new(),
         damaged: Vec::new(),
         torn: Vec::new(),
@@ -157,6 +170,8 @@ pub fn fsck(opts: &StoreOptions) -> Result<FsckReport> {
     // key -> (depth, parent) of every valid block; commits with their location.
     let mut blocks: HashMap<Key, (u32, Key)> = HashMap::new();
     let mut commits: HashMap<Key, (u64, String, Vec<Key>)> = HashMap::new();
+    // key -> the horizon of its newest delete.
+    let mut horizons: HashMap<Key, u64> = HashMap::new();
     for s in &scan.scans {
         r.bytes_read += s.bytes_read;
         for d in &s.damage {
@@ -196,10 +211,20 @@ pub fn fsck(opts: &StoreOptions) -> Result<FsckReport> {
                         commits.insert(rec.header.key, (rec.header.seq, at, rec.keys.clone()));
                     }
                 }
+                RecordKind::Delete => {
+                    r.deletes += 1;
+                    let h = horizons.entry(rec.header.key).or_default();
+                    *h = (*h).max(rec.header.delete_horizon().unwrap_or(0));
+                }
             }
         }
     }
-    for (end, (_, at, keys)) in &commits {
+    for (end, (seq, at, keys)) in &commits {
+        // As an open does: a unit whose newest commit is older than a delete of it is deleted.
+        if horizons.get(end).is_some_and(|h| h > seq) {
+            r.units_deleted += 1;
+            continue;
+        }
         let mut problem = None;
         if keys.last() != Some(end) {
             problem = Some("its last key is not the unit key".to_owned());
@@ -218,12 +243,14 @@ pub fn fsck(opts: &StoreOptions) -> Result<FsckReport> {
             }
         }
         match problem {
-            None => r.units_complete += 1,
+            None => r.complete_keys.push(*end),
             Some(p) => r
                 .units_incomplete
                 .push(format!("unit {} at {at}: {p}", key_hex(end, 8))),
         }
     }
+    r.complete_keys.sort_unstable();
+    r.units_complete = r.complete_keys.len() as u64;
     r.units_incomplete.sort();
     Ok(r)
 }
@@ -269,6 +296,7 @@ pub fn inspect(opts: &StoreOptions, records: bool) -> Result<InspectReport> {
                     count: rh.count,
                     payload_len: rh.payload_len,
                     flags: rh.flags.bits(),
+                    horizon: rh.delete_horizon(),
                     created_ms: rh.created_ms,
                     last_used_ms: rh.last_used_ms,
                 });

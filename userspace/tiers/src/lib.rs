@@ -34,8 +34,8 @@ pub use key::{ModelFingerprint, Tenant};
 pub use scan::Damage;
 pub use segment::StoreLocation;
 pub use store::{
-    BlockSource, ReadOutcome, ReclaimReport, RecoveryReport, SsdStore, StoreHit, StoreHooks,
-    StoreOptions, StoreStats, UnitTicket, UnitWrite,
+    BlockSource, DeleteOutcome, DeleteTicket, ReadOutcome, ReclaimReport, RecoveryReport, SsdStore,
+    StoreHit, StoreHooks, StoreOptions, StoreStats, UnitTicket, UnitWrite,
 };
 pub use unit::{Restored, TierHit, TierOptions, Tiers};
 pub use window_pool::{PoolOptions, PoolStats, WindowPool};

@@ -260,10 +260,15 @@ pub(crate) fn scan_segment(
     if !reader.fill(0, page) {
         let (read, err) = reader.finish();
         scan.bytes_read = read;
-        scan.header_error = Some(match err {
-            Some(e) => format!("cannot read the segment header: {e}"),
-            None => "shorter than one page".to_owned(),
-        });
+        scan.header_error = match err {
+            Some(e) => Some(format!("cannot read the segment header: {e}")),
+            // An empty file is what a crash leaves between creating a segment file and
+            // preallocating it (found by the crash campaign): like a zero header page, not
+            // damage. A file of 1 to 4095 bytes is never left by a crash (preallocation
+            // sizes it whole): it was truncated.
+            None if read == 0 => None,
+            None => Some("shorter than one page".to_owned()),
+        };
         return scan;
     }
     let head = reader.get(0, page);
@@ -272,6 +277,19 @@ pub(crate) fn scan_segment(
         Err(e) => {
             if head.iter().any(|&b| b != 0) {
                 scan.header_error = Some(format!("segment header: {e}"));
+            } else if !device
+                && reader.fill(page, page)
+                && reader.get(page, page).iter().any(|&b| b != 0)
+            {
+                // A zero header page is what a crash leaves in a directory file created just
+                // before it (the header is written before any record, into a file of zeros),
+                // and such a file is removed. With bytes after it, the header was lost
+                // (zeroed): report it, and keep the file, rather than drop its records
+                // silently. Device slots are exempt: a freed slot is a zeroed header page in
+                // front of its earlier life's records.
+                scan.header_error = Some(
+                    "the segment header page is zero but records follow (header lost)".to_owned(),
+                );
             }
             let (read, _) = reader.finish();
             scan.bytes_read = read;

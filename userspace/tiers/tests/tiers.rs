@@ -15,8 +15,8 @@ use kvstack_firmware_interface::record::ALIGN;
 use kvstack_tiers::Error;
 use kvstack_tiers::fsck::fsck;
 use kvstack_tiers::{
-    Clock, HOUR_MS, ManualClock, ReadOutcome, SsdStore, StoreHooks, StoreLocation, StoreOptions,
-    SystemClock, Tenant,
+    Clock, DeleteOutcome, HOUR_MS, ManualClock, ReadOutcome, SsdStore, StoreHooks, StoreLocation,
+    StoreOptions, SystemClock, Tenant,
 };
 use tiers_common::*;
 
@@ -773,4 +773,399 @@ fn one_writer_per_location_and_readers_share_or_read_live() {
     }
     drop((a, b));
     SsdStore::open(rw(), clock()).unwrap().close().unwrap();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Deletes
+
+#[test]
+fn deleted_units_miss_before_and_after_a_restart() {
+    let dir = TempDir::new("delete");
+    let c = clock();
+    let t = Tenant::new("t");
+    let opts = small_opts(dir.path());
+    let a = unit_tokens(50, 0, 0, 3 * P + 4);
+    let b = unit_tokens(51, 0, 0, 2 * P + 6);
+    {
+        let store = open(opts.clone(), c.clone());
+        put(&store, &t, &a).unwrap().wait().unwrap();
+        put(&store, &t, &b).unwrap().wait().unwrap();
+        let blocks = store.stats().blocks;
+        let tk = del(&store, &t, &a).unwrap();
+        assert_eq!(tk.key, unit_key(&t, &a));
+        assert_eq!(tk.wait().unwrap(), DeleteOutcome::Deleted);
+        assert_eq!(store.lookup(&model(), &t, &a, P).tokens, 0);
+        assert!(!is_unit(&store, &t, &a));
+        assert_eq!(read_and_check(&store, &t, &b).0, b.len() as u64);
+        let s = store.stats();
+        assert_eq!((s.units, s.units_deleted, s.deletes), (1, 1, 1), "{s:#?}");
+        assert_eq!(
+            s.blocks,
+            blocks - 4,
+            "the deleted unit's blocks are dead space"
+        );
+        store.check_index().unwrap();
+        store.close().unwrap();
+    }
+    let report = fsck(&opts).unwrap();
+    assert!(report.clean(), "{report:?}");
+    assert_eq!((report.deletes, report.units_deleted), (1, 1));
+    assert_eq!(report.units_complete, 1);
+    let listed = kvstack_tiers::fsck::inspect(&opts, true).unwrap();
+    let d: Vec<_> = listed
+        .records
+        .iter()
+        .filter(|r| r.kind == "delete")
+        .collect();
+    assert_eq!(d.len(), 1);
+    assert_eq!(d[0].horizon, Some(d[0].seq));
+    assert_eq!(d[0].key, kvstack_tiers::key::key_hex(&unit_key(&t, &a), 32));
+    {
+        let store = open(opts.clone(), c.clone());
+        assert_eq!(store.recovery().units_deleted, 1);
+        assert_eq!(store.lookup(&model(), &t, &a, P).tokens, 0);
+        assert!(!is_unit(&store, &t, &a));
+        assert_eq!(read_and_check(&store, &t, &b).0, b.len() as u64);
+        // Put again: stored again, and a restart keeps it (its commit is newer than the
+        // delete).
+        put(&store, &t, &a).unwrap().wait().unwrap();
+        assert_eq!(read_and_check(&store, &t, &a).0, a.len() as u64);
+        store.check_index().unwrap();
+        store.close().unwrap();
+    }
+    let store = open(opts.clone(), c.clone());
+    assert_eq!(store.recovery().units_deleted, 0);
+    assert_eq!(read_and_check(&store, &t, &a).0, a.len() as u64);
+    drop(store);
+    assert_eq!(fsck(&opts).unwrap().units_deleted, 0);
+}
+
+#[test]
+fn deleting_a_prefix_unit_keeps_the_longer_units_blocks() {
+    let dir = TempDir::new("delete-prefix");
+    let c = clock();
+    let t = Tenant::new("t");
+    let long = unit_tokens(52, 0, 0, 4 * P + 6);
+    // Ends inside the third block (its own short block), and at a block boundary.
+    let short = long[..2 * P + 4].to_vec();
+    let aligned = long[..2 * P].to_vec();
+    let store = open(small_opts(dir.path()), c.clone());
+    for u in [&long, &short, &aligned] {
+        put(&store, &t, u).unwrap().wait().unwrap();
+    }
+    for u in [&short, &aligned] {
+        assert_eq!(
+            del(&store, &t, u).unwrap().wait().unwrap(),
+            DeleteOutcome::Deleted
+        );
+        assert!(!is_unit(&store, &t, u));
+    }
+    // The short unit's own block is gone; the shared ones are the long unit's.
+    assert_eq!(store.lookup(&model(), &t, &short, P).tokens, 2 * P as u64);
+    assert_eq!(read_and_check(&store, &t, &long).0, long.len() as u64);
+    store.check_index().unwrap();
+    store.close().unwrap();
+    let store = open(small_opts(dir.path()), c.clone());
+    assert_eq!(store.lookup(&model(), &t, &short, P).tokens, 2 * P as u64);
+    assert!(!is_unit(&store, &t, &short) && !is_unit(&store, &t, &aligned));
+    assert_eq!(read_and_check(&store, &t, &long).0, long.len() as u64);
+    assert_eq!(store.recovery().units_deleted, 2);
+}
+
+#[test]
+fn deleting_an_unknown_unit_is_a_clear_result() {
+    let dir = TempDir::new("delete-unknown");
+    let c = clock();
+    let t = Tenant::new("t");
+    let u = unit_tokens(53, 0, 0, 2 * P + 2);
+    let store = open(small_opts(dir.path()), c.clone());
+    assert_eq!(
+        del(&store, &t, &u).unwrap().wait().unwrap(),
+        DeleteOutcome::NotStored
+    );
+    assert_eq!(
+        del(&store, &t, &[]).unwrap().wait().unwrap(),
+        DeleteOutcome::NotStored
+    );
+    put(&store, &t, &u).unwrap().wait().unwrap();
+    // Another tenant's delete names another key: nothing of this tenant's is touched.
+    let other = Tenant::new("other");
+    assert_eq!(
+        del(&store, &other, &u).unwrap().wait().unwrap(),
+        DeleteOutcome::NotStored
+    );
+    assert_eq!(read_and_check(&store, &t, &u).0, u.len() as u64);
+    assert_eq!(
+        del(&store, &t, &u).unwrap().wait().unwrap(),
+        DeleteOutcome::Deleted
+    );
+    assert_eq!(
+        del(&store, &t, &u).unwrap().wait().unwrap(),
+        DeleteOutcome::NotStored
+    );
+    let s = store.stats();
+    assert_eq!(
+        (s.deletes, s.units_deleted, s.failed_writes),
+        (4, 1, 0),
+        "{s:#?}"
+    );
+    store.check_index().unwrap();
+    store.close().unwrap();
+    let mut ro = small_opts(dir.path());
+    ro.read_only = true;
+    let store = open(ro, c);
+    assert!(matches!(del(&store, &t, &u), Err(Error::ReadOnly)));
+    assert_eq!(store.lookup(&model(), &t, &u, P).tokens, 0);
+}
+
+/// A slow disk keeps a delete written but unacknowledged while uses, a put of the same unit
+/// and compaction come along: none of them may write a commit of the unit that is newer than
+/// the delete unless it is a put made after it.
+#[test]
+fn a_pending_delete_races_neither_touches_nor_compaction_and_loses_to_a_later_put() {
+    let dir = TempDir::new("delete-race");
+    let c = clock();
+    let t = Tenant::new("t");
+    let mut opts = small_opts(dir.path());
+    opts.hooks = Some(Arc::new(SyncDelay(300)));
+    // Old units fill most of the first segment; `doomed` and `kept` are young.
+    let old: Vec<Vec<u32>> = (0..4).map(|u| unit_tokens(54, u, 0, 4 * P)).collect();
+    let doomed = unit_tokens(55, 0, 0, 4 * P);
+    let kept = unit_tokens(55, 1, 0, 4 * P);
+    let again = unit_tokens(55, 2, 0, 2 * P + 2);
+    {
+        let store = open(opts.clone(), c.clone());
+        for u in &old {
+            put(&store, &t, u).unwrap().wait().unwrap();
+        }
+        c.advance(100 * HOUR_MS);
+        for u in [&doomed, &again, &kept] {
+            put(&store, &t, u).unwrap().wait().unwrap();
+        }
+        c.advance(HOUR_MS);
+        let tk = del(&store, &t, &doomed).unwrap();
+        // A use now would be due for a touch commit.
+        assert_eq!(read_and_check(&store, &t, &doomed).0, doomed.len() as u64);
+        // Evicts the old units, then compacts the mostly dead first segment, which holds the
+        // commit of `doomed`, while the delete waits for its sync.
+        let r = store.reclaim().unwrap();
+        assert!(r.units_evicted >= 4 && r.segments_compacted >= 1, "{r:?}");
+        // Delete, then put again before the delete is acknowledged: the put wins.
+        let tk2 = del(&store, &t, &again).unwrap();
+        let put_again = put(&store, &t, &again).unwrap();
+        assert_eq!(tk.wait().unwrap(), DeleteOutcome::Deleted);
+        assert_eq!(tk2.wait().unwrap(), DeleteOutcome::Deleted);
+        put_again.wait().unwrap();
+        assert_eq!(store.lookup(&model(), &t, &doomed, P).tokens, 0);
+        assert_eq!(read_and_check(&store, &t, &again).0, again.len() as u64);
+        store.check_index().unwrap();
+        assert_eq!(store.stats().failed_writes, 0);
+        store.close().unwrap();
+    }
+    let store = open(opts, c);
+    assert_eq!(
+        store.lookup(&model(), &t, &doomed, P).tokens,
+        0,
+        "the delete came undone"
+    );
+    assert!(!is_unit(&store, &t, &doomed));
+    assert_eq!(read_and_check(&store, &t, &again).0, again.len() as u64);
+    assert_eq!(read_and_check(&store, &t, &kept).0, kept.len() as u64);
+}
+
+/// A delete is kept while an older commit of its unit is on disk, copied when its own segment
+/// is compacted (horizon and all), and dropped once those commits' segments are freed; this
+/// holds for a unit evicted before it was deleted too.
+#[test]
+fn deletes_outlive_older_commits_through_compaction_and_are_dropped_after() {
+    let dir = TempDir::new("delete-lifetime");
+    let c = clock();
+    let t = Tenant::new("t");
+    let mut opts = small_opts(dir.path());
+    // 16 pages of records a segment: four one-block units (block and commit, 2 pages each);
+    // a delete takes one page. Only nearly dead segments are compacted.
+    opts.segment_bytes = 17 * ALIGN as u64;
+    opts.capacity_bytes = 64 * opts.segment_bytes;
+    opts.compact_live_fraction = 0.15;
+    let one = |u: u32| unit_tokens(56, u, 0, P);
+    // The first segment: `evicted` (old), `doomed`, `young`, `young2`.
+    let (evicted, doomed, young, young2) = (one(0), one(1), one(2), one(3));
+    // Two more segments of four, then `last` and `last2` with room to spare.
+    let others: Vec<Vec<u32>> = (4..12).map(one).collect();
+    let (last, last2, filler, after) = (one(12), one(13), one(14), one(15));
+    let store = open(opts.clone(), c.clone());
+    put(&store, &t, &evicted).unwrap().wait().unwrap();
+    c.advance(100 * HOUR_MS);
+    for u in [&doomed, &young, &young2].into_iter().chain(&others) {
+        put(&store, &t, u).unwrap().wait().unwrap();
+    }
+    for u in [&last, &last2] {
+        put(&store, &t, u).unwrap().wait().unwrap();
+    }
+    assert_eq!(store.reclaim().unwrap().units_evicted, 1);
+    // Both deletes land after `last` and `last2`, and must outlive the first segment, which
+    // holds the evicted unit's commit still, and the deleted one's.
+    assert_eq!(
+        del(&store, &t, &doomed).unwrap().wait().unwrap(),
+        DeleteOutcome::Deleted
+    );
+    assert_eq!(
+        del(&store, &t, &evicted).unwrap().wait().unwrap(),
+        DeleteOutcome::NotStored
+    );
+    assert_eq!(store.stats().tombstones, 2);
+    // Empty their segment of everything else: `last` and `last2` deleted (those deletes
+    // lie with the commits they delete, so they are not kept), then a unit that seals it,
+    // deleted too.
+    for u in [&last, &last2] {
+        assert_eq!(
+            del(&store, &t, u).unwrap().wait().unwrap(),
+            DeleteOutcome::Deleted
+        );
+    }
+    assert_eq!(store.stats().tombstones, 2);
+    put(&store, &t, &filler).unwrap().wait().unwrap();
+    assert_eq!(
+        del(&store, &t, &filler).unwrap().wait().unwrap(),
+        DeleteOutcome::Deleted
+    );
+    assert_eq!(store.stats().tombstones, 3);
+    // The next data goes to a new segment (the full one stops being written to).
+    put(&store, &t, &after).unwrap().wait().unwrap();
+    // Compacting it copies the two deletes, frees it, and with it drops the filler's delete.
+    let r = store.reclaim().unwrap();
+    let s = store.stats();
+    assert_eq!(r.segments_compacted, 1, "{r:?} {s:#?}");
+    assert_eq!(s.tombstones, 2, "{s:#?}");
+    store.check_index().unwrap();
+    store.close().unwrap();
+    let listed = kvstack_tiers::fsck::inspect(&opts, true).unwrap();
+    let copies: Vec<_> = listed
+        .records
+        .iter()
+        .filter(|r| r.kind == "delete" && r.flags & 2 != 0)
+        .collect();
+    assert_eq!(copies.len(), 2, "{:?}", listed.records);
+    assert!(copies.iter().all(|r| r.horizon.is_some_and(|h| h < r.seq)));
+    let store = open(opts.clone(), c.clone());
+    assert_eq!(store.recovery().tombstones, 2);
+    for u in [&doomed, &evicted, &last, &last2, &filler] {
+        assert_eq!(
+            store.lookup(&model(), &t, u, P).tokens,
+            0,
+            "a deleted unit came back"
+        );
+    }
+    assert_eq!(read_and_check(&store, &t, &young).0, young.len() as u64);
+    // Deleting the rest of the first segment empties it: it is freed, and every delete that
+    // had its commits to outlive is dropped.
+    for u in [&young, &young2] {
+        assert_eq!(
+            del(&store, &t, u).unwrap().wait().unwrap(),
+            DeleteOutcome::Deleted
+        );
+    }
+    assert_eq!(store.stats().tombstones, 4);
+    let freed = store.stats().segments_freed;
+    store.reclaim().unwrap();
+    let s = store.stats();
+    assert!(s.segments_freed > freed, "{s:#?}");
+    assert_eq!(s.tombstones, 0, "{s:#?}");
+    store.check_index().unwrap();
+    store.close().unwrap();
+    let store = open(opts, c);
+    assert_eq!(store.recovery().tombstones, 0);
+    for u in [&doomed, &evicted, &young, &young2, &last, &last2, &filler] {
+        assert_eq!(
+            store.lookup(&model(), &t, u, P).tokens,
+            0,
+            "a deleted unit came back"
+        );
+    }
+    for u in others.iter().chain([&after]) {
+        assert_eq!(read_and_check(&store, &t, u).0, u.len() as u64);
+    }
+}
+
+/// A store full of young data, restarted between deletes (each restart seals the segments
+/// written, so each session's first delete needs a segment of its own): deletes still go
+/// through, and the room they free takes new units. Found by the crash campaign, where the
+/// store ended up with every slot in use and compaction with nowhere to copy to.
+#[test]
+fn deletes_make_room_in_a_full_store_across_restarts() {
+    let dir = TempDir::new("delete-full");
+    let c = clock();
+    let t = Tenant::new("t");
+    let opts = small_opts(dir.path());
+    let units = {
+        let store = open(opts.clone(), c.clone());
+        let units = fill(&store, &t, 57, 1000);
+        assert!(store.stats().refused_full > 0);
+        units
+    };
+    assert!(units.len() >= 15, "{}", units.len());
+    for (i, u) in units.iter().enumerate() {
+        let store = open(opts.clone(), c.clone());
+        let r = del(&store, &t, u).unwrap().wait();
+        assert_eq!(r.unwrap(), DeleteOutcome::Deleted, "delete {i}");
+        store.check_index().unwrap();
+        store.close().unwrap();
+    }
+    // The room the deletes freed takes as much new data again.
+    let store = open(opts.clone(), c.clone());
+    let fresh = fill(&store, &t, 58, units.len() as u32);
+    assert_eq!(fresh.len(), units.len());
+    store.close().unwrap();
+    let store = open(opts, c);
+    for u in &units {
+        assert_eq!(store.lookup(&model(), &t, u, P).tokens, 0);
+    }
+    for u in &fresh {
+        assert_eq!(read_and_check(&store, &t, u).0, u.len() as u64);
+    }
+}
+
+/// A store full of live young data, where no segment is dead enough to compact: deletes keep
+/// going through once their own segment is full (a segment with any dead page is compacted to
+/// make room for them).
+#[test]
+fn deletes_go_through_in_a_store_full_of_live_data() {
+    let dir = TempDir::new("delete-live");
+    let c = clock();
+    let t = Tenant::new("t");
+    let mut opts = small_opts(dir.path());
+    // 15 pages a segment: a delete segment holds 15 deletes.
+    opts.segment_bytes = 16 * ALIGN as u64;
+    opts.capacity_bytes = 64 * opts.segment_bytes;
+    let store = open(opts, c.clone());
+    // Units of four blocks (10 pages), each with two prefix units (a commit of 2 pages each,
+    // sharing its blocks), until the store refuses.
+    let mut longs = Vec::new();
+    let mut prefixes = Vec::new();
+    'fill: for u in 0..1000 {
+        let long = unit_tokens(59, u, 0, 4 * P);
+        let family = [long.clone(), long[..P].to_vec(), long[..2 * P].to_vec()];
+        for tok in &family {
+            match put(&store, &t, tok).and_then(|tk| tk.wait()) {
+                Ok(()) => {}
+                Err(Error::StoreFull { .. }) => break 'fill,
+                Err(e) => panic!("{e}"),
+            }
+        }
+        longs.push(family[0].clone());
+        prefixes.extend(family[1..].iter().cloned());
+    }
+    assert!(prefixes.len() > 60, "{}", prefixes.len());
+    // Deleting the prefixes frees 2 pages in 14 and keeps every delete (the older commits
+    // stay behind, in the long units' segments): far more deletes than one segment holds.
+    for (i, u) in prefixes.iter().enumerate() {
+        let r = del(&store, &t, u).unwrap().wait();
+        assert_eq!(r.unwrap(), DeleteOutcome::Deleted, "delete {i}");
+    }
+    let s = store.stats();
+    assert!(s.segments_compacted > 0 && s.tombstones > 15, "{s:#?}");
+    store.check_index().unwrap();
+    for u in &longs {
+        assert_eq!(read_and_check(&store, &t, u).0, u.len() as u64);
+    }
 }

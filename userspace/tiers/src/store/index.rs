@@ -73,6 +73,25 @@ pub(super) struct UnitMeta {
     pub(super) touch_queued: bool,
     pub(super) tenant_id: u64,
     pub(super) model: [u8; 16],
+    /// Segments that hold a commit record of its key, superseded ones included: each of them
+    /// would bring the unit back at a restart if a delete of it were forgotten.
+    pub(super) commit_segs: Vec<u64>,
+}
+
+/// A delete record (tombstone) the store keeps: while any segment holding an older commit of
+/// its key is on disk, forgetting the delete would bring the unit back at a restart.
+#[derive(Clone, Debug)]
+pub(super) struct TombMeta {
+    pub(super) loc: Loc,
+    /// Commits of the key with a smaller sequence number are deleted (the original record's
+    /// sequence number; a copy made by compaction keeps it).
+    pub(super) horizon: u64,
+    /// Segments that held a commit of the key when it was deleted.
+    pub(super) deps: Vec<u64>,
+    pub(super) tokens: u32,
+    pub(super) tenant_id: u64,
+    pub(super) model: [u8; 16],
+    pub(super) created: u64,
 }
 
 #[derive(Debug)]
@@ -86,6 +105,8 @@ pub(super) struct SegMeta {
     pub(super) next: u64,
     pub(super) blocks: HashSet<Key>,
     pub(super) units: HashSet<Key>,
+    /// Keys whose kept delete record lies here.
+    pub(super) tombs: HashSet<Key>,
     /// Commits written into it and not yet published (or failed) by the syncer. Such a
     /// segment holds records the index does not know of yet, so it is never retired or
     /// compacted meanwhile (a retired one would take them with it, and publishing would then
@@ -111,6 +132,19 @@ pub(super) struct State {
     pub(super) store_id: [u8; 16],
     pub(super) queued_bytes: u64,
     pub(super) poisoned: Option<String>,
+    /// Delete records kept, by unit key.
+    pub(super) tombstones: HashMap<Key, TombMeta>,
+    /// Deletes queued and not yet settled, by unit key: meanwhile the unit gets no touch
+    /// commit and compaction does not copy its commit (either would be a commit newer than the
+    /// delete), and a put of it writes a commit rather than only touching it.
+    pub(super) deleting: HashMap<Key, u32>,
+    /// Keys that are not units but may still have commits on disk (evicted units, units
+    /// recovery found incomplete), with those commits' segments: a delete of such a key must
+    /// outlive them too, or a restart could bring the unit back.
+    pub(super) orphans: HashMap<Key, Vec<u64>>,
+    /// Segments freed whose removal could not be made durable (see `free_retired`): they may
+    /// still come back at a restart.
+    pub(super) unsynced_frees: HashSet<u64>,
 }
 
 #[derive(Default)]
@@ -123,6 +157,8 @@ pub(super) struct Counters {
     pub(super) refused_queue: AtomicU64,
     pub(super) failed_writes: AtomicU64,
     pub(super) units_evicted: AtomicU64,
+    pub(super) units_deleted: AtomicU64,
+    pub(super) deletes: AtomicU64,
     pub(super) segments_compacted: AtomicU64,
     pub(super) segments_freed: AtomicU64,
     pub(super) records_relocated: AtomicU64,
@@ -232,6 +268,31 @@ impl SsdStore {
             }
             *live.entry(l.seg).or_default() += l.len;
         }
+        for (k, t) in &st.tombstones {
+            let seg = st.segments.get(&t.loc.seg).ok_or_else(|| {
+                format!(
+                    "the delete of {} lies in segment {}, which the store does not hold",
+                    crate::key::key_hex(k, 8),
+                    t.loc.seg
+                )
+            })?;
+            if !seg.tombs.contains(k) {
+                return Err(format!(
+                    "the delete of {} is not counted in its segment {}",
+                    crate::key::key_hex(k, 8),
+                    t.loc.seg
+                ));
+            }
+            // A unit a read created there is not written yet; its commit will supersede the
+            // delete. A written unit never coexists with a kept delete.
+            if st.units.get(k).is_some_and(|u| u.loc.is_some()) {
+                return Err(format!(
+                    "{} is both a unit and deleted",
+                    crate::key::key_hex(k, 8)
+                ));
+            }
+            *live.entry(t.loc.seg).or_default() += t.loc.len;
+        }
         for (k, b) in &st.blocks {
             let Some(l) = b.loc() else { continue };
             let Some(seg) = st.segments.get(&l.seg) else {
@@ -255,6 +316,16 @@ impl SsdStore {
             }
         }
         for (id, seg) in &st.segments {
+            if let Some(k) = seg
+                .tombs
+                .iter()
+                .find(|k| st.tombstones.get(*k).is_none_or(|t| t.loc.seg != *id))
+            {
+                return Err(format!(
+                    "segment {id} counts a delete of {} that the store does not keep there",
+                    crate::key::key_hex(k, 8)
+                ));
+            }
             let want = live.get(id).copied().unwrap_or(0);
             if seg.live != want {
                 return Err(format!(
@@ -325,6 +396,19 @@ pub(super) fn drop_block(st: &mut State, k: &Key) {
 pub(super) fn publish(st: &mut State, job: &UnitJob, loc: Option<Loc>, shared: &Shared) {
     let Some(loc) = loc else { return };
     let end = job.end;
+    if job.touch && !st.units.contains_key(&end) {
+        // Evicted after its touch was written: the commit is on disk all the same, and a later
+        // delete of the key must outlive it.
+        add_seg(st.orphans.entry(end).or_default(), loc.seg);
+        return;
+    }
+    // A commit newer than a delete of its key (the unit put again, or a prefix of a longer
+    // unit read and so given a unit here): the delete no longer counts, and the older commits
+    // it covered are the unit's to answer for (a later delete must outlive them too).
+    let mut inherited = super::delete::supersede_delete(st, &end);
+    if let Some(segs) = st.orphans.remove(&end) {
+        inherited.extend(segs);
+    }
     let State {
         units,
         by_age,
@@ -344,6 +428,9 @@ pub(super) fn publish(st: &mut State, job: &UnitJob, loc: Option<Loc>, shared: &
             if let Some(s) = segments.get_mut(&loc.seg) {
                 s.live += loc.len;
                 s.units.insert(end);
+            }
+            for seg in inherited.iter().copied().chain([loc.seg]) {
+                add_seg(&mut u.commit_segs, seg);
             }
             u.persisted_used = u.persisted_used.max(job.last_used);
             u.touch_queued = false;
@@ -386,6 +473,10 @@ pub(super) fn publish(st: &mut State, job: &UnitJob, loc: Option<Loc>, shared: &
             }
         }
     }
+    let mut commit_segs = Vec::new();
+    for seg in inherited.into_iter().chain([loc.seg]) {
+        add_seg(&mut commit_segs, seg);
+    }
     units.insert(
         end,
         UnitMeta {
@@ -397,6 +488,7 @@ pub(super) fn publish(st: &mut State, job: &UnitJob, loc: Option<Loc>, shared: &
             touch_queued: false,
             tenant_id: job.tenant_id,
             model: job.model,
+            commit_segs,
         },
     );
     by_age.insert((job.created, end));
@@ -405,4 +497,38 @@ pub(super) fn publish(st: &mut State, job: &UnitJob, loc: Option<Loc>, shared: &
         s.units.insert(end);
     }
     let _ = shared;
+}
+
+/// Adds `seg` to a set of segment ids kept as a short vector.
+pub(super) fn add_seg(segs: &mut Vec<u64>, seg: u64) {
+    if !segs.contains(&seg) {
+        segs.push(seg);
+    }
+}
+
+/// Removes a unit from the index: its commit becomes dead space, and so does every block no
+/// other unit (or queued job) needs. Returns what it was.
+pub(super) fn remove_unit(st: &mut State, end: &Key) -> Option<UnitMeta> {
+    let keys = chain_of(st, end);
+    let u = st.units.remove(end)?;
+    st.by_age.remove(&(u.last_used, *end));
+    if let Some(l) = u.loc
+        && let Some(s) = st.segments.get_mut(&l.seg)
+        && s.units.remove(end)
+    {
+        s.live = s.live.saturating_sub(l.len);
+    }
+    for k in &keys {
+        let dead = match st.blocks.get_mut(k) {
+            Some(b) => {
+                b.covered = b.covered.saturating_sub(1);
+                b.covered == 0 && b.pinned == 0
+            }
+            None => false,
+        };
+        if dead {
+            drop_block(st, k);
+        }
+    }
+    Some(u)
 }

@@ -17,6 +17,10 @@
 //! Persisting never blocks the caller: [`SsdStore::put_unit`] copies the new blocks' payloads
 //! into the queue and returns; a full queue refuses (and counts) rather than wait.
 //!
+//! Deletes ([`SsdStore::delete_unit`]) take the same path as commits: a delete record written
+//! by the write-behind thread, synced before the delete is acknowledged ([`DeleteTicket`]);
+//! recovery restores a unit only from a commit newer than its newest delete.
+//!
 //! Retention: every unit has a last-use time (its write, or a lookup that used its prefix); a
 //! block lives as long as any unit that contains it, so it lives at least `retention` after
 //! its last use. Space is reclaimed only when a segment is needed and none is free: units past
@@ -31,6 +35,7 @@
 //! location, payload CRC) before its bytes are handed out; a damaged block is reported,
 //! counted and served as a miss.
 
+mod delete;
 mod index;
 mod open;
 mod options;
@@ -52,6 +57,7 @@ use crate::{Error, Result};
 use index::Shared;
 use put::Job;
 
+pub use delete::{DeleteOutcome, DeleteTicket};
 pub(crate) use open::scan_location;
 pub use options::{
     DEFAULT_RETENTION_MS, ReclaimReport, RecoveryReport, StoreHooks, StoreOptions, StoreStats,
@@ -124,6 +130,9 @@ impl SsdStore {
             refused_queue: get(&c.refused_queue),
             failed_writes: get(&c.failed_writes),
             units_evicted: get(&c.units_evicted),
+            units_deleted: get(&c.units_deleted),
+            deletes: get(&c.deletes),
+            tombstones: st.tombstones.len() as u64,
             segments_compacted: get(&c.segments_compacted),
             segments_freed: get(&c.segments_freed),
             records_relocated: get(&c.records_relocated),

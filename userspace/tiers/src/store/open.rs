@@ -12,7 +12,9 @@ use kvstack_driver::blockio::{
 use kvstack_firmware_interface::record::{ALIGN, Key, RecordHeader, RecordKind};
 
 use super::SsdStore;
-use super::index::{BlockMeta, BlockState, Counters, Loc, SegMeta, Shared, State, UnitMeta};
+use super::index::{
+    BlockMeta, BlockState, Counters, Loc, SegMeta, Shared, State, TombMeta, UnitMeta, add_seg,
+};
 use super::options::{RecoveryReport, StoreOptions};
 use super::writer::{Purpose, Writer};
 use crate::clock::Clock;
@@ -149,8 +151,16 @@ impl SsdStore {
         // Best (newest) record of every block key; every commit.
         let mut best: HashMap<Key, (RecordHeader, Loc)> = HashMap::new();
         let mut commits: HashMap<Key, Vec<(RecordHeader, Loc, Vec<Key>)>> = HashMap::new();
+        let mut deletes: HashMap<Key, Vec<(RecordHeader, Loc)>> = HashMap::new();
         for scan in scans {
             report.bytes_read += scan.bytes_read;
+            // A directory file name is never given to a new segment while a file of that name
+            // may exist (an invalid one is kept for inspection): creating the segment would
+            // reuse the file, whose old bytes are then read back as damage or, when they
+            // carry that segment id, as records of the new segment.
+            if matches!(opts.location, StoreLocation::Directory(_)) {
+                max_seg = max_seg.max(scan.slot);
+            }
             for d in &scan.damage {
                 if d.torn_tail {
                     report.torn_tail_ranges += 1;
@@ -201,6 +211,7 @@ impl SsdStore {
                     next: h.segment_bytes, // recovered segments are sealed
                     blocks: HashSet::new(),
                     units: HashSet::new(),
+                    tombs: HashSet::new(),
                     unpublished: 0,
                 },
             );
@@ -224,12 +235,76 @@ impl SsdStore {
                     RecordKind::Commit => {
                         commits.entry(hd.key).or_default().push((hd, loc, r.keys));
                     }
+                    RecordKind::Delete => {
+                        deletes.entry(hd.key).or_default().push((hd, loc));
+                    }
                 }
             }
         }
         let mut blocks: HashMap<Key, BlockMeta> = HashMap::new();
         let mut units: HashMap<Key, UnitMeta> = HashMap::new();
-        for (end, list) in commits {
+        let mut tombstones: HashMap<Key, TombMeta> = HashMap::new();
+        let mut orphans: HashMap<Key, Vec<u64>> = HashMap::new();
+        // Each key's newest delete: only commits after its horizon count.
+        let horizons: HashMap<Key, u64> = deletes
+            .iter()
+            .map(|(k, d)| {
+                let h = d.iter().filter_map(|(h, _)| h.delete_horizon()).max();
+                (*k, h.unwrap_or(0))
+            })
+            .collect();
+        for (end, dels) in deletes {
+            let list = commits.get(&end).map(Vec::as_slice).unwrap_or_default();
+            let Some((dh, dloc)) = dels
+                .iter()
+                .max_by_key(|(h, _)| (h.delete_horizon().unwrap_or(0), h.seq))
+            else {
+                continue;
+            };
+            let horizon = dh.delete_horizon().unwrap_or(0);
+            if list.iter().any(|(h, _, _)| h.seq > horizon) {
+                // Put again after the delete: the commits decide (below).
+                continue;
+            }
+            if !list.is_empty() {
+                report.units_deleted += 1;
+            }
+            let mut deps = Vec::new();
+            for (_, l, _) in list {
+                add_seg(&mut deps, l.seg);
+            }
+            // Kept only while an older commit lies in another segment (dependencies on
+            // segments missing now are moot: they are gone).
+            if deps
+                .iter()
+                .any(|s| *s != dloc.seg && segments.contains_key(s))
+            {
+                tombstones.insert(
+                    end,
+                    TombMeta {
+                        loc: *dloc,
+                        horizon,
+                        deps,
+                        tokens: dh.tokens,
+                        tenant_id: dh.tenant,
+                        model: dh.model,
+                        created: dh.created_ms,
+                    },
+                );
+            }
+            commits.remove(&end);
+        }
+        for (end, all) in commits {
+            let mut commit_segs = Vec::new();
+            for (_, l, _) in &all {
+                add_seg(&mut commit_segs, l.seg);
+            }
+            // Only commits after the key's newest delete count (all of them, if none).
+            let horizon = horizons.get(&end).copied().unwrap_or(0);
+            let list: Vec<_> = all
+                .into_iter()
+                .filter(|(h, _, _)| h.seq > horizon)
+                .collect();
             // Every commit of one end key names the same chain (the key chains the tokens).
             let Some((_, _, keys)) = list.iter().max_by_key(|(h, _, _)| h.seq) else {
                 continue;
@@ -242,6 +317,8 @@ impl SsdStore {
                 });
             if !complete {
                 report.units_discarded += 1;
+                // Its commits stay on disk: a delete of the key must outlive them.
+                orphans.insert(end, commit_segs);
                 continue;
             }
             let newest = list.iter().max_by_key(|(h, _, _)| h.seq);
@@ -283,6 +360,7 @@ impl SsdStore {
                     touch_queued: false,
                     tenant_id: nh.tenant,
                     model: nh.model,
+                    commit_segs,
                 },
             );
         }
@@ -306,12 +384,20 @@ impl SsdStore {
                 s.units.insert(*k);
             }
         }
+        for (k, t) in &tombstones {
+            if let Some(s) = segments.get_mut(&t.loc.seg) {
+                s.live += t.loc.len;
+                s.tombs.insert(*k);
+            }
+        }
         report.blocks = blocks.len() as u64;
         report.units = units.len() as u64;
+        report.tombstones = tombstones.len() as u64;
         report.seconds = start.elapsed().as_secs_f64();
         log::info!(
             "store {}: recovered {} units, {} blocks from {} segments ({} records, {} bytes \
-             read) in {:.3} s; {} torn tails discarded, {} damaged ranges, {} units discarded",
+             read) in {:.3} s; {} torn tails discarded, {} damaged ranges, {} units discarded, \
+             {} units deleted ({} deletes kept)",
             opts.location.path().display(),
             report.units,
             report.blocks,
@@ -321,7 +407,9 @@ impl SsdStore {
             report.seconds,
             report.torn_tail_ranges,
             report.damaged.len(),
-            report.units_discarded
+            report.units_discarded,
+            report.units_deleted,
+            report.tombstones
         );
         for d in &report.damaged {
             log::warn!(
@@ -347,6 +435,10 @@ impl SsdStore {
             store_id,
             queued_bytes: 0,
             poisoned: None,
+            tombstones,
+            deleting: HashMap::new(),
+            orphans,
+            unsynced_frees: HashSet::new(),
         };
         let read_only = opts.read_only;
         let shared = Arc::new(Shared {

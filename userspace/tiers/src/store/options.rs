@@ -29,7 +29,7 @@ pub const V41_BLOCK_PAYLOAD: usize = V41_BLOCK_ENTRIES
     * (GlobalFp4Entry::BYTES + IndexMxfp4Entry::BYTES)
     + V41_BLOCK_TOKENS * size_of::<u32>();
 
-/// Options of [`SsdStore::open`].
+/// Options of [`SsdStore::open`](super::SsdStore::open).
 #[derive(Clone, Debug)]
 pub struct StoreOptions {
     /// Where the segments live.
@@ -137,7 +137,7 @@ impl StoreOptions {
     }
 }
 
-/// What [`SsdStore::open`] found and how long it took.
+/// What [`SsdStore::open`](super::SsdStore::open) found and how long it took.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct RecoveryReport {
     /// Wall time of the whole recovery (listing, scanning, index building), seconds.
@@ -153,6 +153,10 @@ pub struct RecoveryReport {
     /// Commits discarded because a block they name is missing or invalid (torn or damaged
     /// units).
     pub units_discarded: u64,
+    /// Units not restored because their newest record is a delete.
+    pub units_deleted: u64,
+    /// Delete records kept (an older commit of their key is still on disk).
+    pub tombstones: u64,
     /// Records cut short by a crash (after the last valid record of their segment).
     pub torn_tail_ranges: u64,
     /// Damage found before valid records (reported with its location).
@@ -198,7 +202,7 @@ pub struct StoreStats {
     pub blocks_shared: u64,
     /// Record bytes written (blocks, commits, relocations, segment headers).
     pub bytes_written: u64,
-    /// Units refused because nothing could be reclaimed.
+    /// Units (and deletes) refused because nothing could be reclaimed.
     pub refused_full: u64,
     /// Units refused because the write-behind queue was full.
     pub refused_queue: u64,
@@ -206,6 +210,12 @@ pub struct StoreStats {
     pub failed_writes: u64,
     /// Units evicted past retention.
     pub units_evicted: u64,
+    /// Units removed by acknowledged deletes.
+    pub units_deleted: u64,
+    /// Deletes acknowledged (durable), whether or not they found a unit.
+    pub deletes: u64,
+    /// Delete records kept (an older commit of their key is still on disk).
+    pub tombstones: u64,
     /// Segments compacted.
     pub segments_compacted: u64,
     /// Segments freed.
@@ -224,7 +234,7 @@ pub struct StoreStats {
     pub recovery: RecoveryReport,
 }
 
-/// What [`SsdStore::reclaim`] did.
+/// What [`SsdStore::reclaim`](super::SsdStore::reclaim) did.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct ReclaimReport {
     /// Units evicted past retention.

@@ -1,13 +1,12 @@
 //! Queuing a unit: `put_unit` checks it, copies its new blocks into the write-behind queue and
 //! returns a ticket; it never waits for the disk (a full queue refuses).
 
-//! acknowledged and published.
-
 use std::sync::mpsc;
 
 use kvstack_firmware_interface::record::{Key, crc32c};
 
 use super::SsdStore;
+use super::delete::DeleteOutcome;
 use super::index::{BlockMeta, BlockState, Shared, State, bump, unpin};
 use super::options::ReclaimReport;
 
@@ -44,8 +43,16 @@ pub(super) struct UnitJob {
     pub(super) new_blocks: Vec<NewBlock>,
     pub(super) queued: u64,
     pub(super) reply: Option<mpsc::Sender<Result<()>>>,
+    /// A delete of the unit (no blocks, no commit: a delete record) and where its outcome goes.
+    pub(super) delete: Option<mpsc::Sender<Result<DeleteOutcome>>>,
     /// The last use its commit records (set by the writer).
     pub(super) last_used: u64,
+}
+
+impl UnitJob {
+    pub(super) fn is_delete(&self) -> bool {
+        self.delete.is_some()
+    }
 }
 
 pub(super) enum Job {
@@ -155,7 +162,10 @@ impl SsdStore {
                     reason: reason.clone(),
                 });
             }
+            // With a delete of it queued, the unit is written again (its commit then follows
+            // the delete), not merely touched.
             let intact = st.units.contains_key(&end)
+                && !st.deleting.contains_key(&end)
                 && keys
                     .iter()
                     .all(|k| st.blocks.get(k).is_some_and(BlockMeta::visible));
@@ -230,6 +240,7 @@ impl SsdStore {
                 new_blocks: blocks,
                 queued,
                 reply,
+                delete: None,
                 keys: keys.clone(),
                 last_used: now,
             };

@@ -291,6 +291,11 @@ impl SsdStore {
     pub(super) fn touch_end(&self, end: Key, now: u64) {
         let sh = &self.shared;
         let mut st = sh.lock();
+        if st.deleting.contains_key(&end) {
+            // Being deleted: neither a touch commit nor a new prefix unit there (either would
+            // be a commit newer than the delete).
+            return;
+        }
         let keys = chain_of(&st, &end);
         let State {
             units,
@@ -344,6 +349,7 @@ impl SsdStore {
                         touch_queued: !sh.opts.read_only,
                         tenant_id: 0,
                         model: [0; 16],
+                        commit_segs: Vec::new(),
                     },
                 );
                 by_age.insert((now, end));
@@ -364,6 +370,7 @@ impl SsdStore {
                 new_blocks: Vec::new(),
                 queued: 0,
                 reply: None,
+                delete: None,
                 last_used: now,
             };
             // A closed store simply forgets the touch.
@@ -392,7 +399,11 @@ impl SsdStore {
             let st = self.shared.lock();
             st.units
                 .iter()
-                .filter(|(_, u)| u.last_used > u.persisted_used && !u.touch_queued)
+                .filter(|(k, u)| {
+                    u.last_used > u.persisted_used
+                        && !u.touch_queued
+                        && !st.deleting.contains_key(*k)
+                })
                 .map(|(k, _)| (*k, chain_of(&st, k)))
                 .collect()
         };
@@ -414,6 +425,7 @@ impl SsdStore {
                 new_blocks: Vec::new(),
                 queued: 0,
                 reply: None,
+                delete: None,
                 last_used: 0,
                 keys,
             };

@@ -9,17 +9,21 @@ use std::time::Duration;
 
 use kvstack_driver::blockio::{Completion, IoOp, OpKind};
 use kvstack_firmware_interface::record::{
-    KEY_BYTES, Key, RecordFlags, RecordHeader, RecordKind, SEGMENT_HEADER_PAGE, SegmentHeader,
+    ALIGN, KEY_BYTES, Key, RecordFlags, RecordHeader, RecordKind, SEGMENT_HEADER_PAGE,
+    SegmentHeader, horizon_bytes,
 };
 
 use super::SsdStore;
-use super::index::{BlockState, Loc, SegMeta, Shared, State, bump, chain_of, drop_block};
+use super::delete::settle_deletes;
+use super::index::{
+    BlockState, Loc, SegMeta, Shared, State, TombMeta, add_seg, bump, chain_of, remove_unit,
+};
 use super::options::ReclaimReport;
 use super::put::Job;
 use super::read::check_block;
-use super::writer::{Pending, Purpose, Writer, write_segment_header};
+use super::writer::{Pending, Purpose, Reloc, Writer, sync_location_dir, write_segment_header};
 
-use crate::segment::SegmentFile;
+use crate::segment::{SegmentFile, StoreLocation};
 use crate::{Error, Result};
 
 impl SsdStore {
@@ -38,15 +42,28 @@ impl SsdStore {
     }
 }
 
+/// What [`Writer::make_room`] achieved.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Room {
+    /// A slot beyond the reserve is free.
+    Freed,
+    /// A segment was compacted but no slot beyond the reserve freed.
+    Compacted,
+    /// Nothing could be reclaimed.
+    None,
+}
+
 impl Writer {
     /// A place for a record of `len` bytes: in the active segment, or a new one (reclaiming
-    /// space if none is free). Data goes to the data segment and may not take the last free
-    /// slot; uses (touch commits) and compaction go to the system segment, which may take it,
-    /// so data can never use up the room compaction needs.
+    /// space if none is free). Data goes to the data segment; uses (touch commits), deletes
+    /// and compaction go to the system segment. Data may not take the last two free slots,
+    /// touches and deletes not the last one: nothing but compaction can use up the room
+    /// compaction needs.
     pub(super) fn allocate(&mut self, len: u64) -> Result<(Arc<SegmentFile>, Loc)> {
         let shared = Arc::clone(&self.shared);
         let system = self.purpose != Purpose::Data;
         let mut waited = Duration::ZERO;
+        let mut compacted = 0;
         loop {
             {
                 let mut st = shared.lock();
@@ -80,7 +97,18 @@ impl Writer {
                     st.active = None;
                 }
                 free_retired(&mut st, &self.shared);
-                let reserve = if system { 0 } else { 1 };
+                // Two slots are kept back from data: touches and deletes may take the first
+                // (a use must be recordable, a delete writable, in a store full of young data),
+                // only compaction the last. Found by the crash campaign: when touches and
+                // deletes could take the last slot too, their segment filled it and a restart
+                // sealed it; with every slot in use, compaction had nowhere to copy even one
+                // page to, and the store stayed full although most of its segments were
+                // nearly dead.
+                let reserve = match self.purpose {
+                    Purpose::Data => 2,
+                    Purpose::Touch | Purpose::Delete => 1,
+                    Purpose::Compaction => 0,
+                };
                 if st.space.free() > reserve {
                     let id = st.next_segment;
                     st.next_segment += 1;
@@ -108,6 +136,7 @@ impl Writer {
                             next: SEGMENT_HEADER_PAGE as u64,
                             blocks: HashSet::new(),
                             units: HashSet::new(),
+                            tombs: HashSet::new(),
                             unpublished: 0,
                         },
                     );
@@ -122,8 +151,15 @@ impl Writer {
             if self.purpose == Purpose::Compaction {
                 return Err(Error::StoreFull { needed: len });
             }
-            if self.make_room()? {
-                continue;
+            match self.make_room()? {
+                Room::Freed => continue,
+                // What compaction copied went to the system segment, and may have left room
+                // there for a touch or a delete (a few tries: compaction may free nothing).
+                Room::Compacted if system && compacted < 4 => {
+                    compacted += 1;
+                    continue;
+                }
+                Room::Compacted | Room::None => {}
             }
             // Retired segments still leased by readers free up as soon as the reads end.
             let leased = !self.st().retired.is_empty();
@@ -138,8 +174,9 @@ impl Writer {
 
     /// Frees a segment if anything may be reclaimed: units past retention are evicted oldest
     /// idle first until a segment holds nothing live; failing that, one mostly-dead segment is
-    /// compacted. Returns whether a segment slot was freed.
-    fn make_room(&mut self) -> Result<bool> {
+    /// compacted (for a delete, any segment with a dead page: a delete frees space, and
+    /// refusing it would keep a full store full).
+    fn make_room(&mut self) -> Result<Room> {
         let now = self.shared.clock.now_ms();
         let retention = self.shared.opts.retention_ms;
         {
@@ -149,7 +186,7 @@ impl Writer {
                 retire_empty(&mut st, &self.dirty);
                 free_retired(&mut st, &self.shared);
                 if st.space.free() > before {
-                    return Ok(true);
+                    return Ok(Room::Freed);
                 }
                 let Some(&(used, end)) = st.by_age.first() else {
                     break;
@@ -162,28 +199,42 @@ impl Writer {
             retire_empty(&mut st, &self.dirty);
             free_retired(&mut st, &self.shared);
             if st.space.free() > before {
-                return Ok(true);
+                return Ok(Room::Freed);
             }
         }
-        let Some(victim) = self.compaction_victim() else {
-            return Ok(false);
+        let limit = if self.purpose == Purpose::Delete {
+            self.st().space.segment_bytes - ALIGN as u64
+        } else {
+            self.live_limit()
+        };
+        let Some(victim) = self.compaction_victim(limit) else {
+            return Ok(Room::None);
         };
         match self.compact(victim) {
             Ok(()) => {}
             // No room to copy into: nothing may be reclaimed now.
-            Err(Error::StoreFull { .. }) => return Ok(false),
+            Err(Error::StoreFull { .. }) => return Ok(Room::None),
             Err(e) => return Err(e),
         }
         let mut st = self.st();
         free_retired(&mut st, &self.shared);
-        Ok(st.space.free() > 1)
+        Ok(if st.space.free() > 2 {
+            Room::Freed
+        } else {
+            Room::Compacted
+        })
     }
 
-    /// The segment with the fewest live bytes, if at most `compact_live_fraction` of it is
-    /// live and it is neither being written nor awaiting a sync.
-    fn compaction_victim(&self) -> Option<u64> {
+    /// Live bytes at most of a segment that is compacted (`compact_live_fraction`).
+    fn live_limit(&self) -> u64 {
+        let bytes = self.st().space.segment_bytes;
+        (self.shared.opts.compact_live_fraction * bytes as f64) as u64
+    }
+
+    /// The segment with the fewest live bytes, if at most `limit` of it are live and it is
+    /// neither being written nor awaiting a sync.
+    fn compaction_victim(&self, limit: u64) -> Option<u64> {
         let st = self.st();
-        let limit = (self.shared.opts.compact_live_fraction * st.space.segment_bytes as f64) as u64;
         st.segments
             .iter()
             .filter(|(id, s)| {
@@ -201,7 +252,7 @@ impl Writer {
     /// at the copies and retires the segment.
     fn compact(&mut self, victim: u64) -> Result<()> {
         self.drain();
-        let (blocks, units, file) = {
+        let (blocks, units, tombs, file) = {
             let st = self.st();
             let Some(seg) = st.segments.get(&victim) else {
                 return Ok(());
@@ -214,9 +265,21 @@ impl Writer {
                     Some((*k, b.loc()?, b.tokens))
                 })
                 .collect();
-            let units: Vec<(Key, Vec<Key>)> =
-                seg.units.iter().map(|k| (*k, chain_of(&st, k))).collect();
-            (blocks, units, Arc::clone(&seg.file))
+            // A unit with a delete queued keeps its commit where it is: a copy would be a
+            // commit newer than the delete, and bring the unit back at a restart. The segment
+            // is then not freed this time.
+            let units: Vec<(Key, Vec<Key>)> = seg
+                .units
+                .iter()
+                .filter(|k| !st.deleting.contains_key(*k))
+                .map(|k| (*k, chain_of(&st, k)))
+                .collect();
+            let tombs: Vec<(Key, TombMeta)> = seg
+                .tombs
+                .iter()
+                .filter_map(|k| Some((*k, st.tombstones.get(k)?.clone())))
+                .collect();
+            (blocks, units, tombs, Arc::clone(&seg.file))
         };
         log::debug!(
             "compacting segment {victim}: {} blocks, {} commits",
@@ -226,7 +289,9 @@ impl Writer {
         let purpose = std::mem::replace(&mut self.purpose, Purpose::Compaction);
         self.relocated.clear();
         self.lost.clear();
-        let result = self.relocate(&file, &blocks, &units);
+        let result = self
+            .relocate(&file, &blocks, &units)
+            .and_then(|()| self.relocate_deletes(&tombs));
         self.drain();
         let synced = self.sync();
         self.purpose = purpose;
@@ -239,45 +304,48 @@ impl Writer {
         let lost = std::mem::take(&mut self.lost);
         let mut st = self.st();
         let mut moved = 0u64;
-        for (key, loc, unit) in relocated {
+        for (key, loc, what) in relocated {
             let State {
                 blocks,
                 units,
+                tombstones,
                 segments,
                 ..
             } = &mut *st;
-            let old = if unit {
-                units.get_mut(&key).and_then(|u| {
+            let old = match what {
+                Reloc::Commit => units.get_mut(&key).and_then(|u| {
                     let old = u.loc.filter(|l| l.seg == victim)?;
                     u.loc = Some(loc);
+                    add_seg(&mut u.commit_segs, loc.seg);
                     Some(old)
-                })
-            } else {
-                blocks.get_mut(&key).and_then(|b| {
+                }),
+                Reloc::Block => blocks.get_mut(&key).and_then(|b| {
                     let old = b.loc().filter(|l| l.seg == victim)?;
                     b.state = BlockState::Written(loc);
                     Some(old)
-                })
+                }),
+                Reloc::Delete => tombstones.get_mut(&key).and_then(|t| {
+                    let old = Some(t.loc).filter(|l| l.seg == victim)?;
+                    t.loc = loc;
+                    Some(old)
+                }),
             };
             // The copy is live only if the index now points at it.
             if let Some(old) = old {
                 if let Some(s) = segments.get_mut(&victim) {
                     s.live = s.live.saturating_sub(old.len);
-                    if unit {
-                        s.units.remove(&key);
-                    } else {
-                        s.blocks.remove(&key);
-                    }
+                    keys_of(s, what).remove(&key);
                 }
                 if let Some(s) = segments.get_mut(&loc.seg) {
                     s.live += loc.len;
-                    if unit {
-                        s.units.insert(key);
-                    } else {
-                        s.blocks.insert(key);
-                    }
+                    keys_of(s, what).insert(key);
                 }
                 moved += 1;
+            } else if what == Reloc::Commit
+                && let Some(u) = units.get_mut(&key)
+            {
+                // A newer commit was published meanwhile; this copy is on disk all the same.
+                add_seg(&mut u.commit_segs, loc.seg);
             }
         }
         // Damaged blocks are not copied: they stay in the index, invisible, until a unit
@@ -376,7 +444,7 @@ impl Writer {
                         Pending::Relocated {
                             key: *key,
                             loc: nloc,
-                            unit: false,
+                            what: Reloc::Block,
                         },
                     )?;
                 }
@@ -421,7 +489,36 @@ impl Writer {
             self.write_record(header, &payload, None, |loc| Pending::Relocated {
                 key: *end,
                 loc,
-                unit: true,
+                what: Reloc::Commit,
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Copies kept delete records (they have no payload: each is rebuilt from the index, its
+    /// horizon kept, so the copy deletes exactly what the original did).
+    fn relocate_deletes(&mut self, tombs: &[(Key, TombMeta)]) -> Result<()> {
+        for (key, t) in tombs {
+            let header = RecordHeader {
+                kind: RecordKind::Delete,
+                flags: RecordFlags::RELOCATED,
+                seq: 0,
+                segment: 0,
+                key: *key,
+                parent: horizon_bytes(t.horizon),
+                model: t.model,
+                tenant: t.tenant_id,
+                tokens: t.tokens,
+                count: 0,
+                payload_len: 0,
+                created_ms: t.created,
+                last_used_ms: t.created,
+                payload_crc: 0,
+            };
+            self.write_record(header, &[], None, |loc| Pending::Relocated {
+                key: *key,
+                loc,
+                what: Reloc::Delete,
             })?;
         }
         Ok(())
@@ -456,7 +553,8 @@ impl Writer {
             free_retired(&mut st, &self.shared);
         }
         let mut tried = HashSet::new();
-        while let Some(victim) = self.compaction_victim() {
+        let limit = self.live_limit();
+        while let Some(victim) = self.compaction_victim(limit) {
             if !tried.insert(victim) {
                 break;
             }
@@ -477,30 +575,25 @@ impl Writer {
     }
 }
 
-/// Removes a unit; blocks no other unit (or queued job) needs become dead space.
+/// The keys of a segment's live records of one kind.
+fn keys_of(s: &mut SegMeta, what: Reloc) -> &mut HashSet<Key> {
+    match what {
+        Reloc::Commit => &mut s.units,
+        Reloc::Block => &mut s.blocks,
+        Reloc::Delete => &mut s.tombs,
+    }
+}
+
+/// Evicts a unit past retention; blocks no other unit (or queued job) needs become dead
+/// space. Its commits stay on disk until their segments are freed, so the key is kept as an
+/// orphan with them (a delete of it must outlive them).
 pub(super) fn evict_unit(st: &mut State, end: &Key, shared: &Shared) {
-    let keys = chain_of(st, end);
-    let Some(u) = st.units.remove(end) else {
+    let Some(u) = remove_unit(st, end) else {
         return;
     };
-    st.by_age.remove(&(u.last_used, *end));
-    if let Some(l) = u.loc
-        && let Some(s) = st.segments.get_mut(&l.seg)
-        && s.units.remove(end)
-    {
-        s.live = s.live.saturating_sub(l.len);
-    }
-    for k in &keys {
-        let dead = match st.blocks.get_mut(k) {
-            Some(b) => {
-                b.covered = b.covered.saturating_sub(1);
-                b.covered == 0 && b.pinned == 0
-            }
-            None => false,
-        };
-        if dead {
-            drop_block(st, k);
-        }
+    let segs = st.orphans.entry(*end).or_default();
+    for seg in u.commit_segs {
+        add_seg(segs, seg);
     }
     bump(&shared.counters.units_evicted, 1);
 }
@@ -517,6 +610,7 @@ pub(super) fn retire_empty(st: &mut State, dirty: &BTreeMap<u64, Arc<SegmentFile
                 && s.unpublished == 0
                 && s.blocks.is_empty()
                 && s.units.is_empty()
+                && s.tombs.is_empty()
         })
         .map(|(id, _)| *id)
         .collect();
@@ -527,9 +621,11 @@ pub(super) fn retire_empty(st: &mut State, dirty: &BTreeMap<u64, Arc<SegmentFile
     }
 }
 
-/// Frees retired segments that no reader holds a lease on any more.
+/// Frees retired segments that no reader holds a lease on any more. Deletes that only had
+/// to outlive them are then dropped, once the frees are durable.
 pub(super) fn free_retired(st: &mut State, shared: &Shared) {
     let retired = std::mem::take(&mut st.retired);
+    let mut freed = Vec::new();
     for seg in retired {
         if Arc::strong_count(&seg) > 1 {
             st.retired.push(seg);
@@ -539,5 +635,39 @@ pub(super) fn free_retired(st: &mut State, shared: &Shared) {
             log::warn!("freeing segment {}: {e}", seg.id);
         }
         bump(&shared.counters.segments_freed, 1);
+        freed.push(seg);
     }
+    if freed.is_empty() {
+        return;
+    }
+    let ids: Vec<u64> = freed.iter().map(|s| s.id).collect();
+    st.orphans.retain(|_, segs| {
+        segs.retain(|s| !ids.contains(s));
+        !segs.is_empty()
+    });
+    let depended = st
+        .tombstones
+        .values()
+        .any(|t| t.deps.iter().any(|d| ids.contains(d)));
+    if !depended {
+        return;
+    }
+    // Frees are not synced (a freed segment that comes back holds only reclaimable records),
+    // except where a delete depended on one: dropping the delete, and then freeing its own
+    // segment, must not become durable before the free, or a crash could keep the old commit
+    // and lose the delete.
+    let synced = match &shared.opts.location {
+        StoreLocation::Directory(_) => sync_location_dir(&shared.opts.location),
+        StoreLocation::Device(_) => freed.iter().try_for_each(|s| {
+            s.file
+                .sync_data()
+                .map_err(|e| format!("fdatasync of {} failed: {e}", s.path.display()))
+        }),
+    };
+    if let Err(reason) = synced {
+        log::error!("store write failed, disabling writes: {reason}");
+        st.poisoned.get_or_insert(reason);
+        st.unsynced_frees.extend(ids);
+    }
+    settle_deletes(st);
 }

@@ -10,11 +10,12 @@ use kvstack_driver::blockio::{BlockEngine, BufferPool, Completion, IoOp, OpKind}
 use kvstack_driver::pinned::PinnedOptions;
 use kvstack_firmware_interface::record::{
     KEY_BYTES, Key, RecordFlags, RecordHeader, RecordKind, SEGMENT_HEADER_PAGE, SegmentHeader,
-    crc32c, encode_record_with_crc, record_len,
+    crc32c, encode_record_with_crc, horizon_bytes, record_len,
 };
 
 use super::index::{BlockState, Loc, Shared, State, bump, publish, unpin};
 
+use super::delete::{DeleteOutcome, apply_delete, end_deleting};
 use super::put::{Job, UnitJob, fail_blocks};
 use crate::segment::{SegmentFile, StoreLocation};
 use crate::{Error, Result};
@@ -30,7 +31,7 @@ pub(super) enum Pending {
     Relocated {
         key: Key,
         loc: Loc,
-        unit: bool,
+        what: Reloc,
     },
     /// Compaction's read of a record it copies: the completion is kept in `read_done`.
     Read,
@@ -50,8 +51,8 @@ pub(super) struct Writer {
     pub(super) batch_error: Option<String>,
     /// Commits whose writes completed: (job index in the batch, location).
     pub(super) commits_done: Vec<(usize, Loc)>,
-    /// Relocated copies whose writes completed: (key, location, is a unit's commit).
-    pub(super) relocated: Vec<(Key, Loc, bool)>,
+    /// Relocated copies whose writes completed: (key, location, what was copied).
+    pub(super) relocated: Vec<(Key, Loc, Reloc)>,
     /// Blocks compaction found damaged (not copied).
     pub(super) lost: Vec<Key>,
     /// The completed read of compaction (reads share the ring with the copies' writes, whose
@@ -69,7 +70,17 @@ pub(super) struct Writer {
 pub(super) enum Purpose {
     Data,
     Touch,
+    /// Deletes go where touches go: a full store must still be able to delete.
+    Delete,
     Compaction,
+}
+
+/// What a record copied by compaction is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Reloc {
+    Block,
+    Commit,
+    Delete,
 }
 
 /// Outcome of a job within a batch.
@@ -222,6 +233,40 @@ impl Writer {
             if r.error.is_some() || r.job.part {
                 continue;
             }
+            if r.job.is_delete() {
+                // A delete is written in the commits' phase, so it is ordered after every
+                // commit queued before it, and synced with them before it is acknowledged.
+                let header = RecordHeader {
+                    kind: RecordKind::Delete,
+                    flags: RecordFlags::EMPTY,
+                    seq: 0,
+                    segment: 0,
+                    key: r.job.end,
+                    parent: [0; KEY_BYTES],
+                    model: r.job.model,
+                    tenant: r.job.tenant_id,
+                    tokens: r.job.tokens as u32,
+                    count: 0,
+                    payload_len: 0,
+                    created_ms: r.job.created,
+                    last_used_ms: r.job.created,
+                    payload_crc: 0,
+                };
+                self.purpose = Purpose::Delete;
+                let written =
+                    self.write_record(header, &[], None, |loc| Pending::Commit { job: i, loc });
+                self.purpose = Purpose::Data;
+                match written {
+                    Ok(loc) => {
+                        r.written = Some(loc);
+                        if let Some(seg) = self.st().segments.get_mut(&loc.seg) {
+                            seg.unpublished += 1;
+                        }
+                    }
+                    Err(e) => r.error = Some(e),
+                }
+                continue;
+            }
             let ready = {
                 let st = self.st();
                 r.job.keys.iter().all(|k| {
@@ -242,7 +287,16 @@ impl Writer {
                 continue;
             }
             let last_used = if r.job.touch {
-                match self.st().units.get(&r.job.end) {
+                let st = self.st();
+                match st.units.get(&r.job.end) {
+                    // A delete of it is queued or written: a touch commit now would be newer
+                    // than the delete and bring the unit back at a restart.
+                    Some(_) if st.deleting.contains_key(&r.job.end) => {
+                        r.error = Some(Error::WriteFailed {
+                            reason: "unit being deleted".into(),
+                        });
+                        continue;
+                    }
                     Some(u) => u.last_used,
                     // Evicted since the touch was queued: nothing to record.
                     None => {
@@ -327,6 +381,10 @@ impl Writer {
         let (file, loc) = self.allocate(len)?;
         header.seq = loc.seq;
         header.segment = loc.seg;
+        if header.kind == RecordKind::Delete && header.parent == [0; KEY_BYTES] {
+            // A new delete: its horizon is its own sequence number.
+            header.parent = horizon_bytes(loc.seq);
+        }
         let crc = crc.unwrap_or_else(|| crc32c(payload));
         encode_record_with_crc(&header, payload, crc, buf.as_mut_slice()).map_err(|e| {
             Error::WriteFailed {
@@ -459,10 +517,10 @@ impl Writer {
                         self.commits_done.push((job, loc));
                     }
                 }
-                Pending::Relocated { key, loc, unit } => {
+                Pending::Relocated { key, loc, what } => {
                     // Applied after the sync (compact), recorded here.
                     if ok {
-                        self.relocated.push((key, loc, unit));
+                        self.relocated.push((key, loc, what));
                     }
                 }
                 Pending::Read => {}
@@ -596,6 +654,37 @@ pub(super) fn sync_loop(shared: &Shared, rx: &mpsc::Receiver<SyncWork>) {
                     bump(&shared.counters.failed_writes, 1);
                 }
                 ok = false;
+            }
+            if let Some(tx) = r.job.delete.take() {
+                let reply = match r.committed {
+                    Some(loc) if ok => {
+                        let outcome = apply_delete(&mut st, &r.job, loc);
+                        bump(&shared.counters.deletes, 1);
+                        if outcome == DeleteOutcome::Deleted {
+                            bump(&shared.counters.units_deleted, 1);
+                        }
+                        Ok(outcome)
+                    }
+                    _ => {
+                        let full = matches!(r.error, Some(Error::StoreFull { .. }));
+                        bump(
+                            if full {
+                                &shared.counters.refused_full
+                            } else {
+                                &shared.counters.failed_writes
+                            },
+                            1,
+                        );
+                        Err(r.error.take().unwrap_or_else(|| Error::WriteFailed {
+                            reason: failure
+                                .clone()
+                                .unwrap_or_else(|| "delete not written".into()),
+                        }))
+                    }
+                };
+                end_deleting(&mut st, &r.job.end);
+                let _ = tx.send(reply);
+                continue;
             }
             if ok {
                 publish(&mut st, &r.job, r.committed, shared);

@@ -9,8 +9,8 @@ use kvstack_driver::blockio::EnginePreference;
 use kvstack_driver::pinned::{HugePages, Locking, PinnedOptions};
 use kvstack_tiers::Result;
 use kvstack_tiers::{
-    BlockSource, Clock, ModelFingerprint, ReadOutcome, SsdStore, StoreLocation, StoreOptions,
-    Tenant, UnitTicket, UnitWrite,
+    BlockSource, Clock, DeleteTicket, ModelFingerprint, ReadOutcome, SsdStore, StoreLocation,
+    StoreOptions, Tenant, UnitTicket, UnitWrite,
 };
 
 pub const MEM: PinnedOptions = PinnedOptions {
@@ -176,4 +176,22 @@ pub fn mixed_unit_tokens(
     let mut t = unit_tokens(family_base + family, 0, 2 * P, 2 * P);
     t.extend((0..len - 2 * P).map(|i| tail_base + round * round_stride + u * 64 + i as u32));
     t
+}
+
+/// Queues the delete of the unit `tokens` of `tenant`.
+pub fn del(store: &SsdStore, tenant: &Tenant, tokens: &[u32]) -> Result<DeleteTicket> {
+    store.delete_unit(&model(), tenant, tokens, P)
+}
+
+/// The unit key (key of the last block) of `tokens`.
+pub fn unit_key(tenant: &Tenant, tokens: &[u32]) -> kvstack_firmware_interface::record::Key {
+    *kvstack_tiers::key::chain_keys(tokens, P, &model(), tenant)
+        .last()
+        .unwrap()
+}
+
+/// Whether `tokens` is a unit of `store` (by key).
+pub fn is_unit(store: &SsdStore, tenant: &Tenant, tokens: &[u32]) -> bool {
+    let k = unit_key(tenant, tokens);
+    store.units().iter().any(|(u, _, _)| *u == k)
 }
