@@ -24,6 +24,7 @@ mod error;
 pub mod footprint;
 mod rng;
 pub mod runtime;
+mod synth;
 pub mod tiers;
 
 pub use error::{Error, Result};
