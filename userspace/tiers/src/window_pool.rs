@@ -74,7 +74,7 @@ pub struct PoolStats {
     pub hits: u64,
     /// Gets that found nothing.
     pub misses: u64,
-    /// Gets (or lookups) that found an expired snapshot and dropped it.
+    /// Gets and `contains` checks (lookups) that found an expired snapshot and dropped it.
     pub expired: u64,
     /// Snapshots evicted to make room (least recently used).
     pub evicted: u64,
@@ -339,14 +339,23 @@ impl WindowPool {
         .is_some()
     }
 
-    /// Whether an unexpired snapshot is held under `key` (not counted as a use).
+    /// Whether an unexpired snapshot is held under `key` (not counted as a use). An expired
+    /// one is dropped and counted in [`PoolStats::expired`], as by a get.
     pub fn contains(&self, key: &Key) -> bool {
         let now = self.clock.now_ms();
-        let g = self.lock();
-        g.map
-            .get(key)
-            .and_then(|&i| g.slots.get(i).copied().flatten())
-            .is_some_and(|s| !self.expired(&s, now))
+        let mut g = self.lock();
+        let Some(&i) = g.map.get(key) else {
+            return false;
+        };
+        let Some(s) = g.slots.get(i).copied().flatten() else {
+            return false;
+        };
+        if self.expired(&s, now) {
+            g.remove(i);
+            g.stats.expired += 1;
+            return false;
+        }
+        true
     }
 
     /// Drops the snapshot under `key`, if any.
