@@ -90,7 +90,9 @@ pub fn rel_tol(s: &str) -> Result<f64, String> {
 /// (powers of 1024) suffix, and an optional trailing `B`.
 pub fn parse_bytes(s: &str) -> Result<u64, String> {
     let t = s.trim().trim_end_matches(['b', 'B']);
-    let split = t.find(|c: char| !c.is_ascii_digit() && c != '_' && c != '.').unwrap_or(t.len());
+    let split = t
+        .find(|c: char| !c.is_ascii_digit() && c != '_' && c != '.')
+        .unwrap_or(t.len());
     let (digits, suffix) = t.split_at(split);
     let mult: f64 = match suffix.to_ascii_lowercase().as_str() {
         "" => 1.0,
@@ -102,14 +104,18 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
         "mi" => 1024.0 * 1024.0,
         "gi" => 1024.0 * 1024.0 * 1024.0,
         "ti" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
-        _ => return Err(format!("{s:?} is not a size (examples: 512M, 20G, 4GiB, 1T)")),
+        _ => {
+            return Err(format!(
+                "{s:?} is not a size (examples: 512M, 20G, 4GiB, 1T)"
+            ));
+        }
     };
     let v: f64 = digits
         .replace('_', "")
         .parse()
         .map_err(|_| format!("{s:?} is not a size (examples: 512M, 20G, 4GiB, 1T)"))?;
     let b = v * mult;
-    if b.is_finite() && b >= 0.0 && b < 1.8e19 {
+    if b.is_finite() && (0.0..1.8e19).contains(&b) {
         Ok(b as u64)
     } else {
         Err(format!("{s:?} is too large"))
@@ -144,7 +150,9 @@ pub fn cache_bytes(s: &str) -> Result<u64, String> {
 /// is seconds).
 pub fn parse_duration_ms(s: &str) -> Result<u64, String> {
     let t = s.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(t.len());
+    let split = t
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(t.len());
     let (digits, unit) = t.split_at(split);
     let mult = match unit {
         "ms" => 1.0,
@@ -152,13 +160,17 @@ pub fn parse_duration_ms(s: &str) -> Result<u64, String> {
         "m" | "min" => 6e4,
         "h" => 3.6e6,
         "d" => 8.64e7,
-        _ => return Err(format!("{s:?} is not a duration (examples: 500ms, 300s, 5m, 72h, 3d)")),
+        _ => {
+            return Err(format!(
+                "{s:?} is not a duration (examples: 500ms, 300s, 5m, 72h, 3d)"
+            ));
+        }
     };
     let v: f64 = digits
         .parse()
         .map_err(|_| format!("{s:?} is not a duration (examples: 500ms, 300s, 5m, 72h, 3d)"))?;
     let ms = v * mult;
-    if ms.is_finite() && ms >= 0.0 && ms < 1e15 {
+    if ms.is_finite() && (0.0..1e15).contains(&ms) {
         Ok(ms.round() as u64)
     } else {
         Err(format!("{s:?} is too long"))

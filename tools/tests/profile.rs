@@ -21,8 +21,14 @@ fn trace(dir: &std::path::Path) -> std::path::PathBuf {
 }
 
 fn small(cmd: &mut Command, dir: &std::path::Path) {
-    cmd.args(["--data-dir", dir.to_str().unwrap()])
-        .args(["--dram-pool", "64M", "--cache", "128M", "--max-sequences", "8"]);
+    cmd.args(["--data-dir", dir.to_str().unwrap()]).args([
+        "--dram-pool",
+        "64M",
+        "--cache",
+        "128M",
+        "--max-sequences",
+        "8",
+    ]);
 }
 
 #[test]
@@ -30,19 +36,36 @@ fn replay_prints_the_json_fields() {
     let d = tempfile::tempdir().unwrap();
     let t = trace(d.path());
     let mut c = kvstack();
-    c.args(["profile", "replay", "--trace", t.to_str().unwrap(), "--json"])
-        .args(["--ssd-capacity", "64M"]);
+    c.args([
+        "profile",
+        "replay",
+        "--trace",
+        t.to_str().unwrap(),
+        "--json",
+    ])
+    .args(["--ssd-capacity", "64M"]);
     small(&mut c, d.path());
     let out = c.output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["requests"], 3);
     assert_eq!(v["input_tokens"], 1024 + 1300 + 900);
     let s = &v["tokens_by_source"];
-    let sum: u64 = ["live", "dram_cache", "dram_pool", "ssd", "replayed", "computed"]
-        .iter()
-        .map(|k| s[k].as_u64().unwrap())
-        .sum();
+    let sum: u64 = [
+        "live",
+        "dram_cache",
+        "dram_pool",
+        "ssd",
+        "replayed",
+        "computed",
+    ]
+    .iter()
+    .map(|k| s[k].as_u64().unwrap())
+    .sum();
     assert_eq!(sum, 3224);
     // The second request continues the first (its session's live sequence).
     assert_eq!(s["live"], 1024 + 20);
@@ -51,7 +74,11 @@ fn replay_prints_the_json_fields() {
     let left: Vec<_> = std::fs::read_dir(d.path())
         .unwrap()
         .filter_map(|e| e.ok())
-        .filter(|e| e.file_name().to_string_lossy().starts_with("kvstack-profile"))
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .starts_with("kvstack-profile")
+        })
         .collect();
     assert!(left.is_empty(), "{left:?}");
 }
@@ -72,7 +99,11 @@ fn sweep_and_compare_write_plots() {
     small(&mut c, d.path());
     let out = c.output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(text.contains("byte volumes modelled"), "{text}");
     let report: serde_json::Value =
         serde_json::from_slice(&std::fs::read(out_dir.join("report.json")).unwrap()).unwrap();
@@ -105,11 +136,21 @@ fn bad_flags_and_traces_are_refused_with_names() {
         ("--retention", "5 weeks"),
     ] {
         let out = kvstack()
-            .args(["profile", "replay", "--trace", t.to_str().unwrap(), flag, value])
+            .args([
+                "profile",
+                "replay",
+                "--trace",
+                t.to_str().unwrap(),
+                flag,
+                value,
+            ])
             .output()
             .unwrap();
         assert_eq!(out.status.code(), Some(2), "{flag} {value}");
-        assert!(String::from_utf8_lossy(&out.stderr).contains(flag), "{flag}");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains(flag),
+            "{flag}"
+        );
     }
     let bad = d.path().join("bad.jsonl");
     std::fs::write(
@@ -135,10 +176,22 @@ fn plan_sizes_the_tiers() {
     );
     let out = kvstack()
         .args(["profile", "plan", "--sessions", "1000", "--context", "64K"])
-        .args(["--turns-per-hour", "6", "--turns", "6", "--json", "--compare", v3])
+        .args([
+            "--turns-per-hour",
+            "6",
+            "--turns",
+            "6",
+            "--json",
+            "--compare",
+            v3,
+        ])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let plans = v["plans"].as_array().unwrap();
     assert_eq!(plans.len(), 2);

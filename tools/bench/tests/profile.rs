@@ -43,7 +43,11 @@ fn options(dir: &tempfile::TempDir) -> ReplayOptions {
 fn run(lines: &[String], o: &ReplayOptions) -> ReplayReport {
     let trace = parse_trace_str(&lines.join("\n"), None).unwrap();
     let r = replay(&trace, o, &mut |_| {}).unwrap();
-    assert_eq!(r.tokens_by_source.total(), r.input_tokens, "every token once");
+    assert_eq!(
+        r.tokens_by_source.total(),
+        r.input_tokens,
+        "every token once"
+    );
     assert_eq!(r.samples.per_request.len(), lines.len());
     r
 }
@@ -119,13 +123,23 @@ fn a_prefix_older_than_the_retention_misses() {
     // Past its 60 s retention, A is evicted when the store needs room.
     let dir = tempfile::tempdir().unwrap();
     let r = run(&trace, &tiny_store(&dir, 60_000));
-    assert_eq!(hits(&r.samples.per_request[4]), 0, "{:?}", r.samples.per_request);
+    assert_eq!(
+        hits(&r.samples.per_request[4]),
+        0,
+        "{:?}",
+        r.samples.per_request
+    );
     assert!(r.ssd.evictions >= 1);
     assert_eq!(r.ssd.units_refused_full, 0);
     // Within its retention nothing young is evicted: the last filler is refused, A hits.
     let dir = tempfile::tempdir().unwrap();
     let r = run(&trace, &tiny_store(&dir, 3_600_000));
-    assert_eq!(hits(&r.samples.per_request[4]), 2048, "{:?}", r.samples.per_request);
+    assert_eq!(
+        hits(&r.samples.per_request[4]),
+        2048,
+        "{:?}",
+        r.samples.per_request
+    );
     assert_eq!(r.ssd.evictions, 0);
     assert!(r.ssd.units_refused_full >= 1);
 }
@@ -204,7 +218,10 @@ fn the_same_trace_twice_gives_the_same_counts() {
     }
     // The slice reuses prefixes through every tier, and fills the 2 GB store.
     let s = &a.tokens_by_source;
-    assert!(s.live > 0 && s.dram_cache > 0 && s.ssd > 0 && s.dram_pool > 0, "{s:?}");
+    assert!(
+        s.live > 0 && s.dram_cache > 0 && s.ssd > 0 && s.dram_pool > 0,
+        "{s:?}"
+    );
     assert!(a.hit_rate_tokens > 0.05 && a.hit_rate_tokens < 1.0);
     assert!(a.ssd.units_refused_full > 0);
     assert!(a.sessions < a.requests);
@@ -263,21 +280,27 @@ fn malformed_lines_name_the_line_and_field() {
     for (text, want_line, want_field, words) in cases {
         let err = parse_trace_str(&text, None).unwrap_err();
         let kvstack_bench::Error::Trace {
-            line, field, reason, ..
+            line,
+            field,
+            reason,
+            ..
         } = &err
         else {
             panic!("{err}");
         };
         assert_eq!((*line, *field), (want_line, want_field), "{err}");
         assert!(reason.contains(words), "{err}");
-        assert!(err.to_string().contains(&format!("line {want_line}")), "{err}");
+        assert!(
+            err.to_string().contains(&format!("line {want_line}")),
+            "{err}"
+        );
     }
     // A blank line is skipped; the limit stops reading.
     let t = parse_trace_str(&format!("{ok}\n\n{ok}\nnot json"), Some(2)).unwrap();
     assert_eq!(t.requests.len(), 2);
     // Not a regular file.
-    let e = kvstack_bench::profile::read_trace(std::path::Path::new("/dev/zero"), None)
-        .unwrap_err();
+    let e =
+        kvstack_bench::profile::read_trace(std::path::Path::new("/dev/zero"), None).unwrap_err();
     assert!(e.to_string().contains("/dev/zero"), "{e}");
 }
 
@@ -316,15 +339,32 @@ const FIELDS: [&str; 27] = [
 fn json_fields_are_stable_and_documented() {
     let dir = tempfile::tempdir().unwrap();
     let o = options(&dir);
-    let r = run(&[line(0, &[1, 2], 1024, 3), line(5000, &[1, 2, 3], 1200, 0)], &o);
+    let r = run(
+        &[line(0, &[1, 2], 1024, 3), line(5000, &[1, 2, 3], 1200, 0)],
+        &o,
+    );
     let v = serde_json::to_value(&r).unwrap();
     let obj = v.as_object().unwrap();
     let mut keys: Vec<&str> = obj.keys().map(String::as_str).collect();
     keys.sort_unstable();
-    let mut want: Vec<&str> = FIELDS.iter().copied().chain(["modelled", "notes"]).collect();
+    let mut want: Vec<&str> = FIELDS
+        .iter()
+        .copied()
+        .chain(["modelled", "notes"])
+        .collect();
     want.sort_unstable();
-    assert_eq!(keys, want, "top-level fields changed: update docs/profile.md and this test");
-    for k in ["live", "dram_cache", "dram_pool", "ssd", "replayed", "computed"] {
+    assert_eq!(
+        keys, want,
+        "top-level fields changed: update docs/profile.md and this test"
+    );
+    for k in [
+        "live",
+        "dram_cache",
+        "dram_pool",
+        "ssd",
+        "replayed",
+        "computed",
+    ] {
         assert!(v["tokens_by_source"][k].is_u64(), "{k}");
     }
     for tier in ["ssd", "dram_pool"] {
@@ -344,8 +384,14 @@ fn json_fields_are_stable_and_documented() {
         "/../../docs/profile.md"
     ))
     .unwrap();
-    for k in want.iter().chain(&["bytes_read", "bytes_written", "evictions", "expiries"]) {
-        assert!(doc.contains(&format!("`{k}`")), "docs/profile.md lacks `{k}`");
+    for k in want
+        .iter()
+        .chain(&["bytes_read", "bytes_written", "evictions", "expiries"])
+    {
+        assert!(
+            doc.contains(&format!("`{k}`")),
+            "docs/profile.md lacks `{k}`"
+        );
     }
 }
 

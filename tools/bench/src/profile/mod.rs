@@ -1,6 +1,6 @@
 //! `kvstack profile`: request traces replayed end to end through the real tiers.
 //!
-//! [`replay`] takes a trace ([`trace`]: the Mooncake JSONL format) and runs each request as
+//! [`replay()`] takes a trace ([`trace`]: the Mooncake JSONL format) and runs each request as
 //! the engine admits one (`docs/engine.md`): the session's live sequence in the paged cache,
 //! else `Tiers::lookup` and `Tiers::restore` (blocks mapped from the paged cache's prefix
 //! index, the rest read from the SSD store with real `O_DIRECT` I/O and CRC checks, the window

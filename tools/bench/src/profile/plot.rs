@@ -11,7 +11,7 @@ use std::sync::OnceLock;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 
-use super::report::ReplayReport;
+use super::report::{ReplayReport, TokensBySource};
 use crate::{Error, Result};
 
 const SIZE: (u32, u32) = (1000, 600);
@@ -33,9 +33,7 @@ fn font() -> std::result::Result<&'static Path, String> {
     FONT_FILE
         .get_or_init(|| {
             let env = std::env::var_os("KVSTACK_PLOT_FONT").map(PathBuf::from);
-            let candidates = env
-                .into_iter()
-                .chain(FONT_PATHS.iter().map(PathBuf::from));
+            let candidates = env.into_iter().chain(FONT_PATHS.iter().map(PathBuf::from));
             for p in candidates {
                 let Ok(bytes) = kvstack_spec::files::read_regular(&p, 64 << 20) else {
                     continue;
@@ -56,6 +54,9 @@ fn font() -> std::result::Result<&'static Path, String> {
         .map(PathBuf::as_path)
         .map_err(Clone::clone)
 }
+
+/// Picks one part of a [`TokensBySource`].
+type Part = dyn Fn(&TokensBySource) -> u64;
 
 /// One line of a chart.
 struct Line {
@@ -174,8 +175,8 @@ fn write(dir: &Path, stem: &str, c: &Chart) -> Result<Vec<PathBuf>> {
         c,
     )
     .map_err(|e| fail(&png_path, e.to_string()))?;
-    let file = std::fs::File::create(&png_path)
-        .map_err(|e| Error::io("cannot create", &png_path, e))?;
+    let file =
+        std::fs::File::create(&png_path).map_err(|e| Error::io("cannot create", &png_path, e))?;
     let mut enc = png::Encoder::new(std::io::BufWriter::new(file), SIZE.0, SIZE.1);
     enc.set_color(png::ColorType::Rgb);
     enc.set_depth(png::BitDepth::Eight);
@@ -224,7 +225,7 @@ pub fn plot_run(r: &ReplayReport, dir: &Path, prefix: &str) -> Result<Vec<PathBu
     std::fs::create_dir_all(dir).map_err(|e| Error::io("cannot create", dir, e))?;
     let t = minutes(r);
     let mut files = Vec::new();
-    let share = |f: &dyn Fn(&super::report::TokensBySource) -> u64| -> Vec<(f64, f64)> {
+    let share = |f: &Part| -> Vec<(f64, f64)> {
         r.series
             .tokens
             .iter()
@@ -233,7 +234,7 @@ pub fn plot_run(r: &ReplayReport, dir: &Path, prefix: &str) -> Result<Vec<PathBu
             .map(|(s, &x)| (x, f(s) as f64 / s.total() as f64))
             .collect()
     };
-    let by_source: [(&str, &dyn Fn(&super::report::TokensBySource) -> u64); 6] = [
+    let by_source: [(&str, &Part); 6] = [
         ("all tiers (hit rate)", &|s| s.hits()),
         ("live", &|s| s.live),
         ("dram paged cache", &|s| s.dram_cache),
@@ -247,7 +248,7 @@ pub fn plot_run(r: &ReplayReport, dir: &Path, prefix: &str) -> Result<Vec<PathBu
         .map(|(i, (name, f))| Line {
             name: (*name).to_owned(),
             color: COLORS[i],
-            points: share(*f),
+            points: share(f),
         })
         .collect();
     let title = |what: &str| format!("{what}: {}", r.model);
@@ -263,7 +264,10 @@ pub fn plot_run(r: &ReplayReport, dir: &Path, prefix: &str) -> Result<Vec<PathBu
         },
     )?);
     let occ = |v: &[u64]| -> Vec<(f64, f64)> {
-        v.iter().zip(&t).map(|(&b, &x)| (x, b as f64 / 1e9)).collect()
+        v.iter()
+            .zip(&t)
+            .map(|(&b, &x)| (x, b as f64 / 1e9))
+            .collect()
     };
     files.extend(write(
         dir,
@@ -292,7 +296,8 @@ pub fn plot_run(r: &ReplayReport, dir: &Path, prefix: &str) -> Result<Vec<PathBu
             ],
         },
     )?);
-    let bw = |v: &[f64]| -> Vec<(f64, f64)> { v.iter().zip(&t).map(|(&b, &x)| (x, b / 1e6)).collect() };
+    let bw =
+        |v: &[f64]| -> Vec<(f64, f64)> { v.iter().zip(&t).map(|(&b, &x)| (x, b / 1e6)).collect() };
     files.extend(write(
         dir,
         &format!("{prefix}ssd-bandwidth"),

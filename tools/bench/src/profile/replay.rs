@@ -163,7 +163,11 @@ fn geometry(model: &ModelConfig) -> Result<Geometry> {
     Ok(Geometry {
         native,
         bytes_per_token: bpt,
-        ssd_scale: if native { 1.0 } else { model_record / v41_record },
+        ssd_scale: if native {
+            1.0
+        } else {
+            model_record / v41_record
+        },
         pool_scale: if native {
             1.0
         } else {
@@ -333,8 +337,8 @@ impl Replay<'_> {
                     if new > 0 {
                         let blocks = tokens.div_ceil(p);
                         let last = tokens - (blocks - 1) * p;
-                        self.kv_bytes_written += (new - 1) * block_payload_bytes(&g, p)
-                            + block_payload_bytes(&g, last);
+                        self.kv_bytes_written +=
+                            (new - 1) * block_payload_bytes(&g, p) + block_payload_bytes(&g, last);
                     }
                 }
                 Err(kvstack_tiers::Error::StoreFull { .. }) => self.refused_full += 1,
@@ -715,7 +719,6 @@ impl Replay<'_> {
     }
 }
 
-
 fn gb_per_s(bytes: f64, seconds: f64) -> f64 {
     if seconds > 0.0 {
         bytes / seconds / 1e9
@@ -781,9 +784,9 @@ fn replay_in(
     let geo = geometry(&opts.model.config)?;
     let start = Instant::now();
     let store_capacity = (opts.ssd_capacity_bytes as f64 / geo.ssd_scale) as u64;
-    let segment = opts.segment_bytes.unwrap_or_else(|| {
-        (store_capacity / 32).clamp(1 << 20, 64 << 20) / (1 << 20) * (1 << 20)
-    });
+    let segment = opts
+        .segment_bytes
+        .unwrap_or_else(|| (store_capacity / 32).clamp(1 << 20, 64 << 20) / (1 << 20) * (1 << 20));
     let store_capacity = store_capacity / segment * segment;
     if store_capacity < 4 * segment {
         return Err(Error::InvalidOption {
@@ -1000,10 +1003,7 @@ fn replay_in(
             "byte volumes: the tiers held V4.1 entries at the token capacity of {} B/token \
              (store capacity / {:.3}, pool slots of {} B, paged cache {} tokens); bytes read, \
              written and held are scaled back to the model's",
-            r.geo.bytes_per_token,
-            ssd_scale,
-            r.geo.model_slot_bytes,
-            cache_tokens
+            r.geo.bytes_per_token, ssd_scale, r.geo.model_slot_bytes, cache_tokens
         ));
         notes.push(
             "latencies and bandwidths are those of the V4.1-sized I/O the tiers did, not of \

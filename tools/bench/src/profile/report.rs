@@ -466,7 +466,10 @@ impl std::fmt::Display for ReplayReport {
                 p.gb_per_s
             )?;
         } else {
-            writeln!(f, "  dram pool: not used (no window KV to pool, or sized 0)")?;
+            writeln!(
+                f,
+                "  dram pool: not used (no window KV to pool, or sized 0)"
+            )?;
         }
         let c = &self.dram_cache;
         writeln!(
@@ -505,7 +508,12 @@ impl std::fmt::Display for ReplayReport {
             m.prefill_seconds_saved,
             pct(m.fraction_saved)
         )?;
-        writeln!(f, "  {:<14} {}", "ttft without", lat(&m.ttft_ms_without_tiers))?;
+        writeln!(
+            f,
+            "  {:<14} {}",
+            "ttft without",
+            lat(&m.ttft_ms_without_tiers)
+        )?;
         writeln!(f, "  {:<14} {}", "ttft with", lat(&m.ttft_ms_with_tiers))?;
         writeln!(f, "  measured: {}", self.measured.join("; "))?;
         writeln!(f, "  modelled: {}", self.modelled.join("; "))?;

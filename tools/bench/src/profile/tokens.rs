@@ -209,7 +209,11 @@ mod tests {
         .unwrap();
         let s = Sessions::infer(&t);
         assert_eq!(s.next(0), Some(1));
-        assert_eq!(s.next(1), None, "request 2 does not extend request 1's whole blocks");
+        assert_eq!(
+            s.next(1),
+            None,
+            "request 2 does not extend request 1's whole blocks"
+        );
         assert_eq!(s.next(2), None);
         assert_eq!((s.session(0), s.session(1), s.session(2)), (0, 0, 1));
         let (mut a, mut b, mut o) = (Vec::new(), Vec::new(), Vec::new());

@@ -85,9 +85,13 @@ fn integer(
     let v = obj
         .get(field)
         .ok_or_else(|| bad(line, Some(field), "missing"))?;
-    let n = v
-        .as_u64()
-        .ok_or_else(|| bad(line, Some(field), format!("{v} is not a non-negative integer")))?;
+    let n = v.as_u64().ok_or_else(|| {
+        bad(
+            line,
+            Some(field),
+            format!("{v} is not a non-negative integer"),
+        )
+    })?;
     if !(lo..=hi).contains(&n) {
         return Err(bad(line, Some(field), format!("{n} is not in {lo}..={hi}")));
     }
@@ -205,11 +209,12 @@ pub fn parse_trace_str(text: &str, max_requests: Option<usize>) -> Result<Trace>
 /// # Errors
 /// [`Error::TraceFile`]; as [`parse_trace`].
 pub fn read_trace(path: &Path, max_requests: Option<usize>) -> Result<Trace> {
-    let bytes = kvstack_spec::files::read_regular(path, MAX_TRACE_FILE_BYTES).map_err(|source| {
-        Error::TraceFile {
-            path: path.to_path_buf(),
-            source,
-        }
-    })?;
+    let bytes =
+        kvstack_spec::files::read_regular(path, MAX_TRACE_FILE_BYTES).map_err(|source| {
+            Error::TraceFile {
+                path: path.to_path_buf(),
+                source,
+            }
+        })?;
     parse_trace(&bytes, max_requests)
 }
