@@ -94,7 +94,7 @@ fn sweep_and_compare_write_plots() {
     );
     let mut c = kvstack();
     c.args(["profile", "replay", "--trace", t.to_str().unwrap()])
-        .args(["--ssd-capacity", "64M,128M", "--compare", v3])
+        .args(["--ssd-capacity", "400M,800M", "--compare", v3])
         .args(["--out", out_dir.to_str().unwrap()]);
     small(&mut c, d.path());
     let out = c.output().unwrap();
@@ -132,7 +132,7 @@ fn bad_flags_and_traces_are_refused_with_names() {
         ("--ssd-capacity", "1K"),
         ("--window-ttl", "0s"),
         ("--prefill-tokens-per-s", "0"),
-        ("--speed", "-1"),
+        ("--speed", "0"),
         ("--retention", "5 weeks"),
     ] {
         let out = kvstack()

@@ -263,10 +263,12 @@ pub fn plot_run(r: &ReplayReport, dir: &Path, prefix: &str) -> Result<Vec<PathBu
             lines,
         },
     )?);
+    // Occupancy is sampled at each bucket's end.
+    let bucket_min = r.series.bucket_ms as f64 / 6e4;
     let occ = |v: &[u64]| -> Vec<(f64, f64)> {
         v.iter()
             .zip(&t)
-            .map(|(&b, &x)| (x, b as f64 / 1e9))
+            .map(|(&b, &x)| (x + bucket_min, b as f64 / 1e9))
             .collect()
     };
     files.extend(write(
