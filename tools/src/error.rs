@@ -71,6 +71,9 @@ pub enum CliError {
     /// A benchmark could not run (the cause names what failed).
     #[error("benchmark failed")]
     Bench(#[source] kvstack_bench::Error),
+    /// `kvstack profile` failed (the cause names the trace line, file or option).
+    #[error("profile failed")]
+    Profile(#[source] kvstack_bench::Error),
     /// `kvstack store fsck` found damage (listed on standard output).
     #[error("{0} damaged ranges or segments found")]
     Damaged(usize),

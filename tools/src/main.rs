@@ -14,6 +14,7 @@ mod error;
 mod flags;
 mod info;
 mod model;
+mod profile;
 mod run;
 mod store;
 mod verify;
@@ -78,6 +79,12 @@ enum Command {
     Model {
         #[command(subcommand)]
         op: model::ModelOp,
+    },
+    /// Profile the DRAM and SSD tiers end to end: replay request traces through them, or
+    /// size them for a workload.
+    Profile {
+        #[command(subcommand)]
+        op: profile::ProfileOp,
     },
     /// Check kvstack against reference dumps.
     Verify {
@@ -195,6 +202,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             which: BenchWhich::Runtime(args),
         } => bench_runtime::run(&args),
         Command::Store { op } => store::run(&op),
+        Command::Profile { op } => profile::run(&op),
     }
 }
 

@@ -69,6 +69,52 @@ pub enum Error {
     /// A measured run did not complete as it must (a request failed, a result differs).
     #[error("{0}")]
     Run(String),
+
+    /// A line of a request trace is malformed.
+    #[error("{}", trace_message(*line, *field, reason))]
+    Trace {
+        /// The line number, from 1.
+        line: usize,
+        /// The field at fault (`None`: the line as a whole).
+        field: Option<&'static str>,
+        /// What is wrong.
+        reason: String,
+    },
+
+    /// A request trace file could not be read.
+    #[error("cannot read trace {}", path.display())]
+    TraceFile {
+        /// The file.
+        path: PathBuf,
+        /// An I/O error, not a regular file, or too large.
+        #[source]
+        source: kvstack_spec::files::FileError,
+    },
+
+    /// A plot could not be drawn or written.
+    #[error("plot {}: {reason}", path.display())]
+    Plot {
+        /// The file being written.
+        path: PathBuf,
+        /// What failed.
+        reason: String,
+    },
+
+    /// An option of a harness is out of its range or does not fit the others.
+    #[error("option `{field}`: {reason}")]
+    InvalidOption {
+        /// The option.
+        field: &'static str,
+        /// Why.
+        reason: String,
+    },
+}
+
+fn trace_message(line: usize, field: Option<&str>, reason: &str) -> String {
+    match field {
+        Some(f) => format!("trace line {line}: field `{f}`: {reason}"),
+        None => format!("trace line {line}: {reason}"),
+    }
 }
 
 impl Error {

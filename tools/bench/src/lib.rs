@@ -11,6 +11,8 @@
 //! - [`footprint`]: the measured bytes per token of a real V4.1-Flash paged cache
 //!   (`kvstack bench footprint`).
 //! - [`tiers`]: the SSD store and the DRAM window pool against fio (`kvstack bench tiers`).
+//! - [`profile`]: replays of request traces through the real SSD store, DRAM window pool and
+//!   paged cache, with a prefill cost model, reports and plots (`kvstack profile`).
 //! - [`runtime`]: the engine's tokens/s and time to first token of a cached prompt against
 //!   the same prompt from scratch (`kvstack bench runtime`).
 //!
@@ -22,8 +24,10 @@ pub mod attention;
 pub mod codecs;
 mod error;
 pub mod footprint;
+pub mod profile;
 mod rng;
 pub mod runtime;
+mod synth;
 pub mod tiers;
 
 pub use error::{Error, Result};

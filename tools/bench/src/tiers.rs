@@ -21,11 +21,9 @@ use std::time::Instant;
 
 use kvstack_driver::blockio::EngineChoice;
 use kvstack_firmware_interface::record::record_len;
-use kvstack_firmware_interface::{GlobalFp4Entry, IndexMxfp4Entry, WindowFp8Entry};
 use serde::Serialize;
-use zerocopy::FromBytes;
 
-use kvstack_cache::{AppendData, CacheOptions, KvCache};
+use kvstack_cache::{CacheOptions, KvCache};
 use kvstack_spec::builtin::default_config;
 use kvstack_tiers::unit::{block_payload_bytes, snapshot_bytes};
 use kvstack_tiers::{
@@ -33,6 +31,7 @@ use kvstack_tiers::{
     Tenant, TierOptions, Tiers, UnitWrite, WindowPool,
 };
 
+use crate::synth::{SyntheticKv, pseudo_random};
 use crate::{Error, Result};
 
 /// Options of [`run_tiers_bench`].
@@ -354,18 +353,6 @@ impl BlockSource for Synthetic {
     }
 }
 
-fn pseudo_random(n: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
-
 /// Runs `fio`; returns bandwidth in bytes per second of the job's `rw` direction.
 fn run_fio(args: &[String], rw: &str) -> Result<f64> {
     let out = Command::new("fio")
@@ -601,7 +588,7 @@ fn bench_in(
         let mut src = KvCache::for_config(&cfg, cache_opts)?;
         let seq = src.create_sequence()?;
         let tokens: Vec<u32> = (0..unit_tokens as u32).map(|i| i ^ 0xABCD).collect();
-        fill_sequence(&mut src, seq, &tokens)?;
+        SyntheticKv::new(src.geometry())?.append(&mut src, seq, &tokens, unit_tokens)?;
         tiers.persist(&src, seq, &tenant, unit_tokens)?.wait()?;
         (tokens, block_payload_bytes(&g, unit_tokens))
     };
@@ -719,57 +706,6 @@ fn median(v: &mut [f64]) -> Option<f64> {
         _ if n % 2 == 1 => Some(v[n / 2]),
         _ => Some((v[n / 2 - 1] + v[n / 2]) / 2.0),
     }
-}
-
-/// Appends `tokens` to `seq` in 4096-token chunks of synthetic entries.
-fn fill_sequence(
-    cache: &mut KvCache,
-    seq: kvstack_cache::SequenceId,
-    tokens: &[u32],
-) -> Result<()> {
-    let g = cache.geometry().clone();
-    let global_bytes = pseudo_random(4096 * GlobalFp4Entry::BYTES, 7);
-    let index_bytes = pseudo_random(4096 * IndexMxfp4Entry::BYTES, 8);
-    let window_bytes = pseudo_random(g.num_layers * g.window_tokens * WindowFp8Entry::BYTES, 9);
-    let bad = |what: &str| Error::Run(format!("cannot view synthetic {what}"));
-    let global_all =
-        <[GlobalFp4Entry]>::ref_from_bytes(&global_bytes).map_err(|_| bad("entries"))?;
-    let index_all = <[IndexMxfp4Entry]>::ref_from_bytes(&index_bytes).map_err(|_| bad("keys"))?;
-    let window_all =
-        <[WindowFp8Entry]>::ref_from_bytes(&window_bytes).map_err(|_| bad("window rows"))?;
-    let mut at = 0usize;
-    while at < tokens.len() {
-        let end = (at + 4096).min(tokens.len());
-        let shape = cache.append_shape(seq, (end - at) as u64)?;
-        let last = end == tokens.len();
-        let k = if last {
-            shape.max_window_rows as usize
-        } else {
-            0
-        };
-        let data = AppendData {
-            tokens: &tokens[at..end],
-            global: shape
-                .entries
-                .iter()
-                .map(|&e| global_all.get(..e as usize).unwrap_or_default())
-                .collect(),
-            index: shape
-                .entries
-                .iter()
-                .map(|&e| index_all.get(..e as usize).unwrap_or_default())
-                .collect(),
-            window: window_all.get(..g.num_layers * k).unwrap_or_default(),
-            pending: shape
-                .pending_tokens
-                .iter()
-                .map(|_| -> &[f32] { &[] })
-                .collect(),
-        };
-        cache.append(seq, &data)?;
-        at = end;
-    }
-    Ok(())
 }
 
 fn dram_bench(opts: &TiersBenchOptions, snap: usize) -> Result<DramReport> {

@@ -83,6 +83,8 @@ pub struct KvCache {
     seqs: HashMap<SequenceId, Sequence>,
     prefix: Option<PrefixIndex>,
     next_id: u64,
+    /// Prefix blocks evicted because a pool was full (not those `clear_prefix_index` drops).
+    prefix_evictions: u64,
 }
 
 impl std::fmt::Debug for KvCache {
@@ -110,11 +112,13 @@ fn exhausted(pool: &PagePool, requested: u64) -> Error {
     }
 }
 
-/// A page of pool `p`, evicting cached prefix blocks while the pool is full.
+/// A page of pool `p`, evicting cached prefix blocks while the pool is full (counted in
+/// `evictions`).
 fn alloc_page(
     pools: &mut [PagePool],
     prefix: &mut Option<PrefixIndex>,
     p: usize,
+    evictions: &mut u64,
 ) -> Result<Option<PageId>> {
     loop {
         let Some(pool) = pools.get_mut(p) else {
@@ -128,6 +132,7 @@ fn alloc_page(
         let Some(pages) = prefix.as_mut().and_then(PrefixIndex::evict_lru) else {
             return Ok(None);
         };
+        *evictions += 1;
         release_all(pools, &pages);
     }
 }
@@ -276,6 +281,7 @@ impl KvCache {
             window,
             seqs: HashMap::new(),
             next_id: 0,
+            prefix_evictions: 0,
         })
     }
 
@@ -524,6 +530,7 @@ impl KvCache {
             window,
             seqs,
             prefix,
+            prefix_evictions,
             ..
         } = self;
         let s = seqs.get_mut(&seq).ok_or(Error::UnknownSequence { seq })?;
@@ -544,7 +551,7 @@ impl KvCache {
         let mut spares: Vec<Vec<PageId>> = vec![Vec::new(); pools.len()];
         for (p, &count) in need.iter().enumerate() {
             for got in 0..count {
-                let page = match alloc_page(pools, prefix, p) {
+                let page = match alloc_page(pools, prefix, p, prefix_evictions) {
                     Ok(Some(id)) => id,
                     other => {
                         for (q, ids) in spares.iter().enumerate() {
@@ -955,6 +962,19 @@ impl KvCache {
         let ring = slab.get(layer * w..(layer + 1) * w).unwrap_or(&[]);
         let (start, end) = self.window_range(s);
         Ok(WindowView::new(ring, start, end))
+    }
+
+    /// Cached prefix blocks evicted so far because a pool was full (least recently used
+    /// first); blocks dropped by [`KvCache::clear_prefix_index`] are not counted.
+    pub fn prefix_evictions(&self) -> u64 {
+        self.prefix_evictions
+    }
+
+    /// Tokens of the blocks the prefix index holds now (0 without an index).
+    pub fn prefix_cached_tokens(&self) -> u64 {
+        self.prefix
+            .as_ref()
+            .map_or(0, |ix| (ix.blocks() * self.geometry.page_tokens) as u64)
     }
 
     /// Drops every cached prefix block that no live sequence pins (least recently used first);

@@ -74,10 +74,18 @@ pub struct PoolStats {
     pub hits: u64,
     /// Gets that found nothing.
     pub misses: u64,
-    /// Gets (or lookups) that found an expired snapshot and dropped it.
+    /// Gets and `contains` checks (lookups) that found an expired snapshot and dropped it.
     pub expired: u64,
     /// Snapshots evicted to make room (least recently used).
     pub evicted: u64,
+    /// Bytes copied into the pool by puts.
+    pub bytes_put: u64,
+    /// Bytes handed out by gets that returned a snapshot.
+    pub bytes_got: u64,
+    /// Time spent copying snapshots in by puts, nanoseconds (the copy only, under the lock).
+    pub put_nanos: u64,
+    /// Time spent in the readers of gets that returned a snapshot, nanoseconds.
+    pub get_nanos: u64,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -271,9 +279,12 @@ impl WindowPool {
             victim
         };
         let off = i * inner.slot_bytes;
+        let copy = std::time::Instant::now();
         if let Some(dst) = inner.region.as_mut_slice().get_mut(off..off + bytes.len()) {
             dst.copy_from_slice(bytes);
         }
+        inner.stats.put_nanos += copy.elapsed().as_nanos() as u64;
+        inner.stats.bytes_put += bytes.len() as u64;
         if let Some(Some(old)) = inner.slots.get(i) {
             inner.lru.remove(&(old.stamp, i));
         }
@@ -311,7 +322,11 @@ impl WindowPool {
         }
         inner.touch(i);
         inner.stats.hits += 1;
-        Some(f(inner.bytes(i, s.len)))
+        let copy = std::time::Instant::now();
+        let out = f(inner.bytes(i, s.len));
+        inner.stats.get_nanos += copy.elapsed().as_nanos() as u64;
+        inner.stats.bytes_got += s.len as u64;
+        Some(out)
     }
 
     /// Copies the snapshot under `key` into `out` (replacing its contents); false when there
@@ -324,14 +339,23 @@ impl WindowPool {
         .is_some()
     }
 
-    /// Whether an unexpired snapshot is held under `key` (not counted as a use).
+    /// Whether an unexpired snapshot is held under `key` (not counted as a use). An expired
+    /// one is dropped and counted in [`PoolStats::expired`], as by a get.
     pub fn contains(&self, key: &Key) -> bool {
         let now = self.clock.now_ms();
-        let g = self.lock();
-        g.map
-            .get(key)
-            .and_then(|&i| g.slots.get(i).copied().flatten())
-            .is_some_and(|s| !self.expired(&s, now))
+        let mut g = self.lock();
+        let Some(&i) = g.map.get(key) else {
+            return false;
+        };
+        let Some(s) = g.slots.get(i).copied().flatten() else {
+            return false;
+        };
+        if self.expired(&s, now) {
+            g.remove(i);
+            g.stats.expired += 1;
+            return false;
+        }
+        true
     }
 
     /// Drops the snapshot under `key`, if any.
@@ -398,6 +422,7 @@ mod tests {
         assert!(!p.get(&[1; 32], &mut out));
         assert_eq!(p.stats().expired, 1);
         assert_eq!(p.stats().entries, 0);
+        assert_eq!((p.stats().bytes_put, p.stats().bytes_got), (100, 100));
     }
 
     #[test]
