@@ -73,7 +73,10 @@ fn store_image(dir: &Path, layout: Layout, segment_bytes: u64) -> Image {
             Layout::Directory => format!("seg-{id:016x}.kvs"),
             Layout::Device => DEVICE_FILE.to_owned(),
         };
-        assert!(std::fs::read(dir.join(&name)).unwrap() == bytes, "{name} differs");
+        assert!(
+            std::fs::read(dir.join(&name)).unwrap() == bytes,
+            "{name} differs"
+        );
     }
     img
 }
@@ -171,7 +174,10 @@ fn record_seeds(out: &Path, records: &[(RecordKind, Vec<u8>)]) {
 fn config_seeds(out: &Path, shared: &Path) {
     let target = out.join("config_plan");
     let builtin = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../userspace/spec/src/builtin");
-    for (prefix, dir) in [("seed-", shared.join("spec/configs")), ("seed-builtin-", builtin)] {
+    for (prefix, dir) in [
+        ("seed-", shared.join("spec/configs")),
+        ("seed-builtin-", builtin),
+    ] {
         let mut names: Vec<_> = std::fs::read_dir(&dir)
             .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
             .map(|e| e.unwrap().path())
@@ -189,7 +195,9 @@ fn config_seeds(out: &Path, shared: &Path) {
 
 fn safetensors_seeds(out: &Path) {
     let target = out.join("safetensors_load");
-    let f32s: Vec<u8> = (0..8).flat_map(|i| (i as f32 * 0.25).to_le_bytes()).collect();
+    let f32s: Vec<u8> = (0..8)
+        .flat_map(|i| (i as f32 * 0.25).to_le_bytes())
+        .collect();
     let bf16: Vec<u8> = (0..8u16).flat_map(|i| (0x3F80 + i).to_le_bytes()).collect();
     let fp8: Vec<u8> = (0..8u8).map(|i| 0x30 + i).collect();
     let fp8_scale = vec![127u8, 128];
@@ -218,7 +226,8 @@ fn safetensors_seeds(out: &Path) {
 
 fn entry_seeds(out: &Path) {
     let target = out.join("entry_decode");
-    let row = |n: usize, k: f32| -> Vec<f32> { (0..n).map(|i| (i as f32 * k).sin() * 3.0).collect() };
+    let row =
+        |n: usize, k: f32| -> Vec<f32> { (0..n).map(|i| (i as f32 * k).sin() * 3.0).collect() };
     let x512 = row(512, 0.37);
     let x128 = row(128, 0.91);
     let fp8 = quantize_window_fp8(&x512.clone().try_into().unwrap());

@@ -8,7 +8,9 @@
 #![no_main]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use kvstack_spec::{CacheReport, FormatOverrides, GlobalFormat, IndexFormat, LayerPlan, ModelConfig, compare};
+use kvstack_spec::{
+    CacheReport, FormatOverrides, GlobalFormat, IndexFormat, LayerPlan, ModelConfig, compare,
+};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -43,7 +45,10 @@ fuzz_target!(|data: &[u8]| {
             [None]
                 .into_iter()
                 .chain(IndexFormat::ALL.map(Some))
-                .map(move |i| FormatOverrides { global: g, index: i })
+                .map(move |i| FormatOverrides {
+                    global: g,
+                    index: i,
+                })
         })
         .collect();
     // The default formats, and one override pair chosen by the input.

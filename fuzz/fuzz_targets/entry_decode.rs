@@ -76,7 +76,10 @@ fuzz_target!(|data: &[u8]| {
         ref_decode(format, e, y);
         layout.dequantize(e, &mut row).unwrap();
         for (j, (a, b)) in row.iter().zip(y.iter()).enumerate() {
-            assert!(same(*a, *b), "{format} RowLayout differs at {j}: {a:e} vs {b:e}");
+            assert!(
+                same(*a, *b),
+                "{format} RowLayout differs at {j}: {a:e} vs {b:e}"
+            );
         }
     }
     for &level in &levels {
@@ -120,9 +123,15 @@ fuzz_target!(|data: &[u8]| {
     for &level in &levels {
         let mut got = vec![0u8; rows * eb];
         quantize_unchecked_with(level, format, &x, &mut got).unwrap();
-        assert!(got == want, "{level} {format} encode differs from the reference");
+        assert!(
+            got == want,
+            "{level} {format} encode differs from the reference"
+        );
         let mut checked = vec![0u8; rows * eb];
-        assert_eq!(quantize_with(level, format, &x, &mut checked).is_ok(), finite);
+        assert_eq!(
+            quantize_with(level, format, &x, &mut checked).is_ok(),
+            finite
+        );
         if finite {
             assert!(checked == want);
         }

@@ -9,8 +9,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use kvstack_firmware_interface::record::{
-    ALIGN, KEY_BYTES, MAX_PAYLOAD, RecordHeader, RecordKind, SegmentHeader, align_up,
-    commit_keys, encode_record, record_len,
+    ALIGN, KEY_BYTES, MAX_PAYLOAD, RecordHeader, RecordKind, SegmentHeader, align_up, commit_keys,
+    encode_record, record_len,
 };
 use kvstack_fuzz::fix_crcs;
 use libfuzzer_sys::fuzz_target;
@@ -27,12 +27,19 @@ fuzz_target!(|data: &[u8]| {
     }
 
     if let Ok(h) = RecordHeader::decode(&bytes) {
-        assert_eq!(h.encode()[..], bytes[..RecordHeader::BYTES], "decode accepted bytes encode does not write");
+        assert_eq!(
+            h.encode()[..],
+            bytes[..RecordHeader::BYTES],
+            "decode accepted bytes encode does not write"
+        );
         assert!(h.payload_len <= MAX_PAYLOAD);
         let len = h.record_len();
         assert_eq!(len, record_len(h.payload_len));
         assert!(len >= ALIGN as u64 && len % ALIGN as u64 == 0);
-        assert!(len - ALIGN as u64 >= h.payload_len && len - ALIGN as u64 - h.payload_len < ALIGN as u64);
+        assert!(
+            len - ALIGN as u64 >= h.payload_len
+                && len - ALIGN as u64 - h.payload_len < ALIGN as u64
+        );
         if h.kind == RecordKind::Commit {
             assert!(h.count > 0 && u64::from(h.count) * KEY_BYTES as u64 == h.payload_len);
         }
@@ -54,7 +61,11 @@ fuzz_target!(|data: &[u8]| {
             again.verify_payload(&out[ALIGN..ALIGN + p.len()]).unwrap();
         }
         // A payload of any other length is refused.
-        let other = payload.get(..(h.payload_len as usize).saturating_sub(1).min(payload.len()));
+        let other = payload.get(
+            ..(h.payload_len as usize)
+                .saturating_sub(1)
+                .min(payload.len()),
+        );
         if let Some(o) = other
             && o.len() as u64 != h.payload_len
         {
@@ -63,7 +74,11 @@ fuzz_target!(|data: &[u8]| {
     }
 
     if let Ok(s) = SegmentHeader::decode(&bytes) {
-        assert_eq!(s.encode()[..], bytes[..SegmentHeader::BYTES], "decode accepted bytes encode does not write");
+        assert_eq!(
+            s.encode()[..],
+            bytes[..SegmentHeader::BYTES],
+            "decode accepted bytes encode does not write"
+        );
         assert!(s.segment_bytes >= 2 * ALIGN as u64 && s.segment_bytes % ALIGN as u64 == 0);
         assert_eq!(SegmentHeader::decode(&s.encode()), Ok(s));
     }

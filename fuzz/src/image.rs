@@ -165,7 +165,9 @@ impl Image {
             if fix & (FIX_HEADER | FIX_PAYLOAD) == 0 {
                 continue;
             }
-            let Some(f) = files.get_mut(&id) else { continue };
+            let Some(f) = files.get_mut(&id) else {
+                continue;
+            };
             let at = page * PAGE;
             if at >= f.len() {
                 continue;
@@ -200,7 +202,9 @@ impl Image {
                 for e in std::fs::read_dir(dir)? {
                     let e = e?;
                     let name = e.file_name().to_string_lossy().into_owned();
-                    let Some(hex) = name.strip_prefix("seg-").and_then(|n| n.strip_suffix(".kvs"))
+                    let Some(hex) = name
+                        .strip_prefix("seg-")
+                        .and_then(|n| n.strip_suffix(".kvs"))
                     else {
                         continue;
                     };

@@ -105,7 +105,12 @@ pub const DEVICE_FILE: &str = "device.img";
 /// The options of a fuzzed store at `dir`: tiny segments, two I/O buffers in flight,
 /// synchronous buffered I/O (the engine is not what is fuzzed, and it works on tmpfs), no huge
 /// pages and no locking.
-pub fn store_options(dir: &Path, layout: Layout, segment_bytes: u64, read_only: bool) -> StoreOptions {
+pub fn store_options(
+    dir: &Path,
+    layout: Layout,
+    segment_bytes: u64,
+    read_only: bool,
+) -> StoreOptions {
     let location = match layout {
         Layout::Directory => StoreLocation::Directory(dir.to_path_buf()),
         Layout::Device => StoreLocation::Device(dir.join(DEVICE_FILE)),
