@@ -279,6 +279,10 @@ pub struct ModelConfig {
 /// Name used for text parsed from memory in [`Error::Json`].
 const IN_MEMORY: &str = "<string>";
 
+/// Most layers a config may declare: far above any released model (V4-Pro has 61), low enough
+/// that a plan of that many layers is a few MB.
+pub const MAX_LAYERS: usize = 1 << 16;
+
 impl ModelConfig {
     /// Reads and parses a `config.json` file.
     pub fn from_file(path: impl AsRef<Path>) -> Result<ModelConfig> {
@@ -483,10 +487,16 @@ impl ModelConfig {
         Ok(self.detect()?.generation)
     }
 
-    /// `num_hidden_layers` (at least 1).
+    /// `num_hidden_layers` (1 to [`MAX_LAYERS`]).
     pub fn num_hidden_layers(&self) -> Result<usize> {
         match self.req(self.num_hidden_layers, "num_hidden_layers")? {
             0 => Err(self.invalid("num_hidden_layers", "must be at least 1")),
+            // Plans and reports allocate a row per layer: an absurd count from a file must be
+            // an error, not an allocation failure (found by fuzzing, fuzz/ config_plan).
+            n if n > MAX_LAYERS => Err(self.invalid(
+                "num_hidden_layers",
+                format!("{n} is implausibly large (limit {MAX_LAYERS})"),
+            )),
             n => Ok(n),
         }
     }

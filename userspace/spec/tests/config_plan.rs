@@ -480,3 +480,39 @@ fn missing_files_and_bad_json_name_the_path() {
         "{err}"
     );
 }
+
+/// Found by fuzzing (fuzz/corpus/config_plan/crash-c385ffdc...): a layer count of 9e15 (written
+/// as a float) made the dense plan ask the allocator for 4.8 TB and abort. It is an error now,
+/// for every generation, and the limit itself still plans.
+#[test]
+fn absurd_layer_counts_are_errors_not_allocations() {
+    let fuzzed = r#"{
+  "architecures": [
+    "LlamaForCausalLM"
+  ],
+  "model_type": "llama",
+  "vocab*size": 204800,
+  "hidden_size": 8192,
+  "intemoe_intermeze": 200,
+  "hidden_size": 8192,
+  "intemoe_intermeze": 22017,
+  "num_hidden_layers": 9000000000000000000001e-06,
+  "ro": "bfloat16"
+}"#;
+    let cfg = ModelConfig::from_json_str(fuzzed).unwrap();
+    let err = LayerPlan::from_config(&cfg).unwrap_err();
+    assert!(err.to_string().contains("num_hidden_layers"), "{err}");
+    assert!(
+        kvstack_spec::CacheReport::compute(&cfg, &kvstack_spec::FormatOverrides::default())
+            .is_err()
+    );
+    let at = |n: usize| {
+        ModelConfig::from_value(&json!({
+            "num_attention_heads": 8, "hidden_size": 64, "num_hidden_layers": n
+        }))
+        .unwrap()
+    };
+    let max = kvstack_spec::config::MAX_LAYERS;
+    assert_eq!(LayerPlan::from_config(&at(max)).unwrap().layers.len(), max);
+    assert!(LayerPlan::from_config(&at(max + 1)).is_err());
+}

@@ -1169,3 +1169,71 @@ fn deletes_go_through_in_a_store_full_of_live_data() {
         assert_eq!(read_and_check(&store, &t, u).0, u.len() as u64);
     }
 }
+
+/// Found by fuzzing (fuzz/corpus/store_recovery/crash-seq-max and crash-segment-id-max): a
+/// record whose sequence number is u64::MAX (a header damaged with a matching CRC) made open
+/// compute `max + 1` and panic with overflow checks, or wrap to 0 without them, so that new
+/// records would rank below old ones after a restart. The same for a segment id of u64::MAX.
+/// Such a store opens, serves what it holds, and refuses writes.
+#[test]
+fn exhausted_sequence_numbers_and_segment_ids_refuse_writes_not_wrap() {
+    use kvstack_firmware_interface::record::{RecordHeader, SegmentHeader};
+    let c = clock();
+    let t = Tenant::new("t");
+    let units: Vec<Vec<u32>> = (0..2).map(|u| unit_tokens(9, u, 0, 2 * P)).collect();
+    let write_store = |dir: &std::path::Path| {
+        let store = open(small_opts(dir), c.clone());
+        for u in &units {
+            put(&store, &t, u).unwrap().wait().unwrap();
+        }
+        store.close().unwrap();
+    };
+
+    // The first record's sequence number at the top of the range, its CRC recomputed.
+    let dir = TempDir::new("seq-max");
+    write_store(dir.path());
+    let files = segment_files(dir.path());
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&files[0])
+        .unwrap();
+    let mut page = vec![0u8; ALIGN];
+    f.read_exact_at(&mut page, ALIGN as u64).unwrap();
+    let h = RecordHeader::decode(&page).unwrap();
+    let forged = RecordHeader { seq: u64::MAX, ..h };
+    f.write_all_at(&forged.encode(), ALIGN as u64).unwrap();
+    drop(f);
+    let store = open(small_opts(dir.path()), c.clone());
+    let poisoned = store.stats().poisoned.expect("writes refused");
+    assert!(poisoned.contains("sequence number"), "{poisoned}");
+    assert!(matches!(
+        put(&store, &t, &unit_tokens(9, 7, 0, 2 * P)),
+        Err(Error::Poisoned { .. })
+    ));
+    // What it holds is still served, checked byte for byte (the forged record is newest for
+    // its key, and its payload is intact).
+    for u in &units {
+        assert_eq!(read_and_check(&store, &t, u).0, u.len() as u64);
+    }
+    store.close().unwrap();
+
+    // A segment file named and headed u64::MAX (a copy of a real segment).
+    let dir = TempDir::new("seg-max");
+    write_store(dir.path());
+    let files = segment_files(dir.path());
+    let mut bytes = std::fs::read(&files[0]).unwrap();
+    let s = SegmentHeader::decode(&bytes).unwrap();
+    let top = SegmentHeader {
+        segment: u64::MAX,
+        ..s
+    };
+    bytes[..SegmentHeader::BYTES].copy_from_slice(&top.encode());
+    std::fs::write(dir.path().join("seg-ffffffffffffffff.kvs"), &bytes).unwrap();
+    let store = open(small_opts(dir.path()), c.clone());
+    assert!(store.stats().poisoned.is_some());
+    for u in &units {
+        assert_eq!(read_and_check(&store, &t, u).0, u.len() as u64);
+    }
+    store.close().unwrap();
+}

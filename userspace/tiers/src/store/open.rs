@@ -420,6 +420,19 @@ impl SsdStore {
                 d.reason
             );
         }
+        // New records and segments are numbered above every one seen. A number at the top of
+        // the range (a damaged header whose CRC matches, or a store that used them all up)
+        // leaves none: writes are refused rather than numbers wrapped around, which recovery
+        // would rank below the old ones (found by fuzzing, fuzz/ store_recovery).
+        let exhausted = (max_seq == u64::MAX || max_seg == u64::MAX).then(|| {
+            format!(
+                "no sequence number or segment id is left above the largest found \
+                 (seq {max_seq}, segment {max_seg})"
+            )
+        });
+        if let Some(reason) = &exhausted {
+            log::error!("store {}: {reason}", opts.location.path().display());
+        }
         let state = State {
             blocks,
             units,
@@ -430,11 +443,11 @@ impl SsdStore {
             space,
             active: None,
             system_active: None,
-            next_seq: max_seq + 1,
-            next_segment: max_seg + 1,
+            next_seq: max_seq.saturating_add(1),
+            next_segment: max_seg.saturating_add(1),
             store_id,
             queued_bytes: 0,
-            poisoned: None,
+            poisoned: exhausted,
             tombstones,
             deleting: HashMap::new(),
             orphans,

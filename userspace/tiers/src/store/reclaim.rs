@@ -53,6 +53,12 @@ enum Room {
     None,
 }
 
+fn exhausted(what: &str) -> Error {
+    Error::Poisoned {
+        reason: format!("{what} exhausted"),
+    }
+}
+
 impl Writer {
     /// A place for a record of `len` bytes: in the active segment, or a new one (reclaiming
     /// space if none is free). Data goes to the data segment; uses (touch commits), deletes
@@ -68,6 +74,11 @@ impl Writer {
             {
                 let mut st = shared.lock();
                 let seq = st.next_seq;
+                // Numbers are never reused: at the top of the range the store cannot write
+                // (open poisons such a store; this also covers compaction and touches).
+                let Some(after_seq) = seq.checked_add(1) else {
+                    return Err(exhausted("sequence numbers"));
+                };
                 let candidates = if system {
                     [st.system_active, st.active]
                 } else {
@@ -86,7 +97,7 @@ impl Writer {
                         seg.next += len;
                         seg.written = seg.next;
                         let file = Arc::clone(&seg.file);
-                        st.next_seq += 1;
+                        st.next_seq = after_seq;
                         return Ok((file, loc));
                     }
                 }
@@ -111,7 +122,10 @@ impl Writer {
                 };
                 if st.space.free() > reserve {
                     let id = st.next_segment;
-                    st.next_segment += 1;
+                    let Some(after_seg) = id.checked_add(1) else {
+                        return Err(exhausted("segment ids"));
+                    };
+                    st.next_segment = after_seg;
                     let file = Arc::new(st.space.create(id)?);
                     let header = SegmentHeader {
                         segment: id,
