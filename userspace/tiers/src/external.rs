@@ -9,7 +9,7 @@
 //! are exactly the bytes the SSD records hold (`docs/ssd-format.md`), without the token ids,
 //! which the caller already has.
 
-use crate::store::{BlockSource, ReadOutcome, UnitTicket, UnitWrite};
+use crate::store::{BlockSource, DeleteTicket, ReadOutcome, UnitTicket, UnitWrite};
 use crate::unit::{TierHit, block_payload_bytes, parse_snapshot};
 use crate::{Error, Result, Tenant, Tiers};
 
@@ -46,6 +46,20 @@ impl BlockSource for GivenBlocks<'_> {
     }
 }
 
+/// What [`Tiers::read_unit_with`] read: the unit's length and its window snapshot; the blocks
+/// went to the caller's sink.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct UnitRead {
+    /// Tokens the unit covers.
+    pub tokens: u64,
+    /// Blocks handed to the sink.
+    pub blocks: usize,
+    /// Bytes handed to the sink.
+    pub payload_bytes: u64,
+    /// The window snapshot at the unit's end, when there is one.
+    pub window: Option<Vec<u8>>,
+}
+
 impl Tiers {
     /// The bytes of the prefix `hit` found for `tokens` ([`Tiers::lookup`]): every block read
     /// and checked (header, key, CRC) under a lease, and the window snapshot when the pool
@@ -55,14 +69,40 @@ impl Tiers {
     /// never partial or damaged bytes.
     ///
     /// # Errors
-    /// I/O set-up failures; [`Error::Payload`] for a stored block whose size does not match
-    /// the model (a store written for other dimensions).
+    /// As [`Tiers::read_unit_with`].
     pub fn read_unit(&self, tokens: &[u32], hit: &TierHit) -> Result<Option<UnitData>> {
+        let mut blocks = Vec::with_capacity(hit.store.keys.len());
+        let read = self.read_unit_with(tokens, hit, |_, kv| {
+            blocks.push(kv.to_vec());
+            Ok(())
+        })?;
+        Ok(read.map(|r| UnitData {
+            tokens: r.tokens,
+            blocks,
+            window: r.window,
+        }))
+    }
+
+    /// As [`Tiers::read_unit`], but each block's bytes go to `sink(index, bytes)`, in order, as
+    /// soon as the block is read and checked, so that a caller with a buffer of its own copies
+    /// them once. Only checked bytes of this tenant's prefix reach the sink, but on a miss
+    /// (`Ok(None)`) it may already have been given the blocks before the missing or damaged
+    /// one: the caller discards them, as the unit is not complete.
+    ///
+    /// # Errors
+    /// I/O set-up failures, the sink's errors; [`Error::Payload`] for a stored block whose
+    /// size does not match the model (a store written for other dimensions).
+    pub fn read_unit_with(
+        &self,
+        tokens: &[u32],
+        hit: &TierHit,
+        mut sink: impl FnMut(usize, &[u8]) -> Result<()>,
+    ) -> Result<Option<UnitRead>> {
         let g = self.geometry();
         if hit.tokens == 0 || hit.tokens > tokens.len() as u64 {
             return Ok(None);
         }
-        let mut blocks = Vec::with_capacity(hit.store.keys.len());
+        let mut payload_bytes = 0u64;
         let outcome = self.store().read_blocks(&hit.store.keys, |i, h, kv| {
             let want = block_payload_bytes(g, u64::from(h.tokens));
             if kv.len() as u64 != want {
@@ -72,8 +112,8 @@ impl Tiers {
                     reason: format!("{} payload bytes, expected {want}", kv.len()),
                 });
             }
-            blocks.push(kv.to_vec());
-            Ok(())
+            payload_bytes += want;
+            sink(i, kv)
         })?;
         if outcome != ReadOutcome::Complete {
             return Ok(None);
@@ -87,9 +127,10 @@ impl Tiers {
                 window = Some(snap);
             }
         }
-        Ok(Some(UnitData {
+        Ok(Some(UnitRead {
             tokens: hit.tokens,
-            blocks,
+            blocks: hit.store.keys.len(),
+            payload_bytes,
             window,
         }))
     }
@@ -169,6 +210,21 @@ impl Tiers {
         if let Some(w) = &data.window {
             self.pool().put(ticket.key, w)?;
         }
+        Ok(ticket)
+    }
+
+    /// Deletes the unit `tokens` of `tenant` ([`crate::SsdStore::delete_unit`]: durable once
+    /// the ticket's `wait` returns) and drops its window snapshot from the DRAM pool at once,
+    /// so nothing of the unit is served from either tier afterwards. Blocks it shares with
+    /// longer units stay.
+    ///
+    /// # Errors
+    /// As [`crate::SsdStore::delete_unit`].
+    pub fn delete_unit(&self, tenant: &Tenant, tokens: &[u32]) -> Result<DeleteTicket> {
+        let ticket =
+            self.store()
+                .delete_unit(self.model(), tenant, tokens, self.geometry().page_tokens)?;
+        self.pool().remove(&ticket.key);
         Ok(ticket)
     }
 }

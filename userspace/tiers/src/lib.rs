@@ -11,7 +11,7 @@
 //!   building block payloads from the paged cache, restoring them into it, the window snapshot
 //!   or the bounded replay that a global hit needs.
 //! - [`external`]: units as bytes in their stored formats, for engines outside kvstack
-//!   ([`UnitData`], [`Tiers::read_unit`], [`Tiers::write_unit`]).
+//!   ([`UnitData`], [`Tiers::read_unit`], [`Tiers::read_unit_with`], [`Tiers::write_unit`]).
 //! - [`clock`]: injected time, so retention and TTL rules are tested instantly.
 //!
 //! The on-disk bytes are drawn in `docs/ssd-format.md`; the rules in `docs/tiers.md`.
@@ -29,7 +29,7 @@ pub mod window_pool;
 
 pub use clock::{Clock, HOUR_MS, ManualClock, SystemClock};
 pub use error::{Error, Result};
-pub use external::UnitData;
+pub use external::{UnitData, UnitRead};
 pub use key::{ModelFingerprint, Tenant};
 pub use scan::Damage;
 pub use segment::StoreLocation;

@@ -271,6 +271,20 @@ fn units_as_bytes_round_trip_between_tenants_and_bad_shapes_are_refused() {
     assert_eq!(data.blocks[0].len(), (3 * 128 + 256) * (288 + 68));
     assert_eq!(data.blocks[3].len(), (3 * 116 + 232) * (288 + 68));
     assert!(data.window.is_some());
+    // The same bytes through a sink, block by block in order.
+    let mut flat = Vec::new();
+    let read = tiers
+        .read_unit_with(&tokens, &hit, |i, kv| {
+            assert_eq!(kv, data.blocks[i], "block {i}");
+            flat.extend_from_slice(kv);
+            Ok(())
+        })
+        .unwrap()
+        .unwrap();
+    assert_eq!((read.tokens, read.blocks), (1000, 4));
+    assert_eq!(read.payload_bytes, data.payload_bytes());
+    assert_eq!(flat, data.blocks.concat());
+    assert_eq!(read.window, data.window);
     // Tenant b sees nothing of it...
     assert_eq!(tiers.lookup(&tokens, &b).tokens, 0);
     assert!(
