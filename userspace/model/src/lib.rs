@@ -10,7 +10,8 @@
 //! - [`Model`]: the forward pass (hyper-connections, MoE, head, sampling; exact and CED
 //!   prefill, bounded replay, batched steps) over [`ModelWeights`] loaded in the released or
 //!   NeMo naming and storage (`docs/model.md`); [`init`]: seeded random checkpoints;
-//!   [`verify`]: `verify model` against a reference dump.
+//!   [`verify`]: `verify model` against a reference dump; [`tokenizer`]: text to token ids
+//!   for models without a `tokenizer.json` (byte-level).
 //!
 //! The building blocks are `kvstack_kernels::csa2` and `kvstack_kernels::model`; configs and
 //! layer plans come from `kvstack-spec`. Nothing here does I/O beyond reading tensor files
@@ -30,6 +31,7 @@ mod forward;
 pub mod init;
 mod storage;
 mod threads;
+pub mod tokenizer;
 pub mod verify;
 pub mod weights;
 
