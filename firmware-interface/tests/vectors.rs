@@ -10,8 +10,8 @@ use kvstack_firmware_interface::entry::*;
 use zerocopy::{FromBytes, IntoBytes};
 
 fn vectors_dir() -> PathBuf {
-    // `../shared` relative to the repository root (the workspace root is this crate's parent).
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/vectors/codecs")
+    // `testdata/` at the repository root (the workspace root is this crate's parent).
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../testdata/vectors/codecs")
 }
 
 fn read_f32(name: &str) -> Vec<f32> {

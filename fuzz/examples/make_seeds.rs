@@ -1,6 +1,6 @@
 //! Writes the seed corpora of every target into `fuzz/corpus/<target>/` (or the directory
 //! given as the first argument): stores written by a real `SsdStore`, records taken from them,
-//! the configs of `../shared/spec/configs` and the built-in ones, a small safetensors file in
+//! the configs of `testdata/configs` and the built-in ones, a small safetensors file in
 //! every storage type the loader decodes, and reference-encoded entries.
 //!
 //! `cargo run --release --example make-seeds` in fuzz/. Deterministic apart from the store's
@@ -171,11 +171,11 @@ fn record_seeds(out: &Path, records: &[(RecordKind, Vec<u8>)]) {
     }
 }
 
-fn config_seeds(out: &Path, shared: &Path) {
+fn config_seeds(out: &Path, testdata: &Path) {
     let target = out.join("config_plan");
     let builtin = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../userspace/spec/src/builtin");
     for (prefix, dir) in [
-        ("seed-", shared.join("spec/configs")),
+        ("seed-", testdata.join("configs")),
         ("seed-builtin-", builtin),
     ] {
         let mut names: Vec<_> = std::fs::read_dir(&dir)
@@ -253,10 +253,10 @@ fn main() {
     let out = std::env::args_os()
         .nth(1)
         .map_or_else(|| root.join("corpus"), PathBuf::from);
-    let shared = root.join("../../shared");
+    let testdata = root.join("../testdata");
     let records = store_seeds(&out);
     record_seeds(&out, &records);
-    config_seeds(&out, &shared);
+    config_seeds(&out, &testdata);
     safetensors_seeds(&out);
     entry_seeds(&out);
 }

@@ -11,7 +11,7 @@ use kvstack_kernels::csa2::norm::rms_norm;
 use kvstack_kernels::model::{Expert, HcMix, HcShape, HcSite, MoeShape};
 use safetensors::SafeTensors;
 
-const DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/vectors/csa2");
+const DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../testdata/vectors/csa2");
 const T: usize = 64;
 const H: usize = 128;
 const N: usize = 4;

@@ -30,7 +30,7 @@ fn run(args: &[&str]) -> (Option<i32>, String) {
 
 #[test]
 fn special_files_are_refused_everywhere() {
-    let csa2 = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/vectors/csa2");
+    let csa2 = concat!(env!("CARGO_MANIFEST_DIR"), "/../testdata/vectors/csa2");
     let cfg = format!("{csa2}/model_config.json");
     let cases: Vec<Vec<String>> = vec![
         vec!["calc".into(), "--config".into(), "/dev/zero".into()],
@@ -99,7 +99,7 @@ fn a_safetensors_header_length_is_checked_before_parsing() {
     let mut bytes = (1u64 << 40).to_le_bytes().to_vec();
     bytes.extend_from_slice(b"{}");
     std::fs::write(&p, &bytes).unwrap();
-    let csa2 = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/vectors/csa2");
+    let csa2 = concat!(env!("CARGO_MANIFEST_DIR"), "/../testdata/vectors/csa2");
     let (code, err) = run(&[
         "verify",
         "model",

@@ -14,17 +14,18 @@ fn kvstack(args: &[&str]) -> Output {
         .expect("run kvstack")
 }
 
-fn shared() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared")
+/// The repository's test data (`testdata/`, a copy of `../shared`: vectors, configs, traces).
+fn testdata() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata")
 }
 
 fn vectors(name: &str) -> PathBuf {
-    shared().join("vectors/codecs").join(name)
+    testdata().join("vectors/codecs").join(name)
 }
 
 fn config(name: &str) -> String {
-    shared()
-        .join("spec/configs")
+    testdata()
+        .join("configs")
         .join(name)
         .display()
         .to_string()

@@ -90,7 +90,7 @@ fn sweep_and_compare_write_plots() {
     let out_dir = d.path().join("out");
     let v3 = concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../../shared/spec/configs/deepseek-v3.json"
+        "/../testdata/configs/deepseek-v3.json"
     );
     let mut c = kvstack();
     c.args(["profile", "replay", "--trace", t.to_str().unwrap()])
@@ -172,7 +172,7 @@ fn bad_flags_and_traces_are_refused_with_names() {
 fn plan_sizes_the_tiers() {
     let v3 = concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../../shared/spec/configs/deepseek-v3.json"
+        "/../testdata/configs/deepseek-v3.json"
     );
     let out = kvstack()
         .args(["profile", "plan", "--sessions", "1000", "--context", "64K"])

@@ -9,7 +9,7 @@ use std::process::{Command, Output};
 
 fn csa2(name: &str) -> String {
     Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../shared/vectors/csa2")
+        .join("../testdata/vectors/csa2")
         .join(name)
         .display()
         .to_string()

@@ -8,11 +8,11 @@ use kvstack_firmware_interface::entry::*;
 use kvstack_kernels::EntryFormat;
 use zerocopy::{FromBytes, IntoBytes};
 
-/// `shared/vectors/codecs`, beside the repository (never copied into it).
+/// `testdata/vectors/codecs` (the repository's copy of `shared/vectors/codecs`).
 pub fn vectors_dir() -> PathBuf {
     PathBuf::from(concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../../shared/vectors/codecs"
+        "/../testdata/vectors/codecs"
     ))
 }
 

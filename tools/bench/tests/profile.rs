@@ -174,7 +174,7 @@ fn eviction_takes_the_least_recently_used_unit_first() {
 fn conversation_slice() -> Option<kvstack_bench::profile::Trace> {
     let path = PathBuf::from(concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../../../shared/traces/conversation_trace.jsonl"
+        "/../../testdata/traces/conversation_trace.jsonl"
     ));
     if !path.exists() {
         eprintln!("{} is absent; skipped", path.display());

@@ -14,7 +14,7 @@ use kvstack_model::weights::TensorFile;
 fn vectors() -> PathBuf {
     PathBuf::from(concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../../../shared/vectors/csa2"
+        "/../../testdata/vectors/csa2"
     ))
 }
 

@@ -14,7 +14,7 @@ use safetensors::tensor::{Dtype, TensorView};
 fn vectors() -> PathBuf {
     PathBuf::from(concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../../../shared/vectors/csa2"
+        "/../../testdata/vectors/csa2"
     ))
 }
 

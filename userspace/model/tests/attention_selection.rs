@@ -20,7 +20,7 @@ use kvstack_spec::{LayerPlan, ModelConfig};
 fn dir() -> PathBuf {
     PathBuf::from(concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../../../shared/vectors/csa2"
+        "/../../testdata/vectors/csa2"
     ))
 }
 

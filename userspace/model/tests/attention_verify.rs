@@ -11,7 +11,7 @@ use kvstack_model::attention::verify::{VerifyOptions, verify_attention};
 fn vectors() -> PathBuf {
     PathBuf::from(concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../../../shared/vectors/csa2"
+        "/../../testdata/vectors/csa2"
     ))
 }
 

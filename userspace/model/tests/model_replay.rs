@@ -14,7 +14,7 @@ use kvstack_model::{BatchItem, Logits, Model, PrefillMode};
 use kvstack_spec::config::ModelConfig;
 use kvstack_spec::plan::LayerMode;
 
-const DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/vectors/csa2");
+const DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../testdata/vectors/csa2");
 
 fn model() -> Model {
     let dir = PathBuf::from(DIR);

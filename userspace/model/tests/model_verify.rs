@@ -14,7 +14,7 @@ use kvstack_model::weights::TensorFile;
 use kvstack_model::{Logits, Model, PrefillMode};
 use kvstack_spec::config::ModelConfig;
 
-const DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/vectors/csa2");
+const DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../testdata/vectors/csa2");
 
 fn path(name: &str) -> PathBuf {
     PathBuf::from(DIR).join(name)

@@ -41,7 +41,7 @@ mod tests {
     fn embedded_default_equals_the_spec_config() {
         let spec = concat!(
             env!("CARGO_MANIFEST_DIR"),
-            "/../../../shared/spec/configs/deepseek-v4.1-flash.json"
+            "/../../testdata/configs/deepseek-v4.1-flash.json"
         );
         let from_spec: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(spec).unwrap()).unwrap();

@@ -10,8 +10,8 @@ use kvstack_spec::{
 use proptest::prelude::*;
 use serde_json::{Value, json};
 
-const CONFIGS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/spec/configs");
-const CSA2: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/vectors/csa2");
+const CONFIGS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../testdata/configs");
+const CSA2: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../testdata/vectors/csa2");
 
 const ALL: [&str; 7] = [
     "deepseek-llm-67b",

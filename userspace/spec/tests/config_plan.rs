@@ -9,8 +9,8 @@ use kvstack_spec::{
 };
 use serde_json::{Value, json};
 
-const CONFIGS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/spec/configs");
-const CSA2: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/vectors/csa2");
+const CONFIGS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../testdata/configs");
+const CSA2: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../testdata/vectors/csa2");
 
 fn spec_path(name: &str) -> String {
     format!("{CONFIGS}/{name}.json")
