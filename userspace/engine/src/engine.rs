@@ -34,6 +34,7 @@
 //! tiers are a cache.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvstack_kernels::model::{Sampling, sample};
@@ -217,7 +218,9 @@ impl Request {
 pub struct Engine {
     model: Model,
     cache: KvCache,
-    tiers: Option<Tiers>,
+    /// Shared: the appliance's KV-cache API reads and writes units beside the engine (the
+    /// tiers synchronize internally).
+    tiers: Option<Arc<Tiers>>,
     opts: EngineOptions,
     sessions: HashMap<SessionId, Session>,
     /// In arrival order.
@@ -242,7 +245,7 @@ impl Engine {
         Ok(Engine {
             model,
             cache,
-            tiers,
+            tiers: tiers.map(Arc::new),
             opts,
             sessions: HashMap::new(),
             requests: BTreeMap::new(),
@@ -264,7 +267,14 @@ impl Engine {
 
     /// The tiers, if any.
     pub fn tiers(&self) -> Option<&Tiers> {
-        self.tiers.as_ref()
+        self.tiers.as_deref()
+    }
+
+    /// The tiers, shared: for callers that read and write units beside the engine from other
+    /// threads (the appliance's KV-cache API). Hold the handle only while using it:
+    /// [`Engine::close`] and [`Engine::into_tiers`] need the engine's to be the last one.
+    pub fn shared_tiers(&self) -> Option<Arc<Tiers>> {
+        self.tiers.clone()
     }
 
     /// Counters so far.
@@ -432,6 +442,23 @@ impl Engine {
         }
         self.stats.cancelled += 1;
         true
+    }
+
+    /// Ends a decoding request now, as if it had reached its `max_new_tokens` (a client's stop
+    /// sequence matched): its units are persisted and its session keeps the history so far,
+    /// exactly as for a request that ran to its end. Returns its completion (no
+    /// [`Event::Finished`] follows); `None` when the request is not decoding (queued, in
+    /// prefill, or gone).
+    pub fn stop(&mut self, request: RequestId) -> Option<Completion> {
+        if self.requests.get(&request)?.phase != Phase::Decode {
+            return None;
+        }
+        let mut events = Vec::new();
+        self.finish(request, &mut events);
+        match events.pop() {
+            Some(Event::Finished(c)) => Some(c),
+            _ => None,
+        }
     }
 
     /// Whether no request is queued or running.
@@ -967,7 +994,7 @@ impl Engine {
     /// The store's flush errors.
     pub fn into_tiers(self) -> Result<Option<Tiers>> {
         self.flush()?;
-        Ok(self.tiers)
+        self.tiers.map(unshare).transpose()
     }
 
     /// Flushes and closes the tiers.
@@ -976,10 +1003,17 @@ impl Engine {
     /// The store's close errors.
     pub fn close(self) -> Result<()> {
         if let Some(t) = self.tiers {
-            t.close()?;
+            unshare(t)?.close()?;
         }
         Ok(())
     }
+}
+
+/// The tiers out of their `Arc`, once no [`Engine::shared_tiers`] handle is left. A handle
+/// still held elsewhere is an error, not a wait: the tiers would be closed under its user.
+fn unshare(t: Arc<Tiers>) -> Result<Tiers> {
+    let others = Arc::strong_count(&t) - 1;
+    Arc::try_unwrap(t).map_err(|_| Error::TiersShared { others })
 }
 
 fn request_error(session: SessionId, reason: String) -> Error {

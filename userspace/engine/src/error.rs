@@ -26,6 +26,14 @@ pub enum Error {
         reason: String,
     },
 
+    /// The tiers cannot be closed or handed back: [`crate::Engine::shared_tiers`] handles
+    /// are still held.
+    #[error("the tiers are still in use by {others} other handle(s); drop them before closing")]
+    TiersShared {
+        /// Handles held besides the engine's.
+        others: usize,
+    },
+
     /// The model's config or plan.
     #[error(transparent)]
     Spec(#[from] kvstack_spec::Error),

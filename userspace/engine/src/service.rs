@@ -194,6 +194,11 @@ impl Service {
         &self.engine
     }
 
+    /// The tiers, shared with other threads ([`Engine::shared_tiers`]); `None` without tiers.
+    pub fn shared_tiers(&self) -> Option<Arc<Tiers>> {
+        self.engine.shared_tiers()
+    }
+
     /// Opens a session of `tenant` (tenants never share cached prefixes).
     pub fn open_session(&mut self, tenant: &str) -> SessionId {
         self.engine.open_session(tenant)
@@ -218,6 +223,11 @@ impl Service {
     /// Cancels a queued or running request ([`Engine::cancel`]); whether it was still there.
     pub fn cancel(&mut self, request: RequestId) -> bool {
         self.engine.cancel(request)
+    }
+
+    /// Ends a decoding request now ([`Engine::stop`]).
+    pub fn stop(&mut self, request: RequestId) -> Option<crate::Completion> {
+        self.engine.stop(request)
     }
 
     /// Whether no request is queued or running.

@@ -1,0 +1,738 @@
+//! The HTTP API: `/v1/completions` (JSON or server-sent events), `/v1/models`, the KV-cache
+//! API (`/v1/kv/lookup`, `/v1/kv/delete`), `/metrics`, `/healthz`, `/readyz`
+//! (`docs/appliance.md` has every route, field and status).
+//!
+//! Request bodies are parsed by hand from JSON values so that every error names its field;
+//! the tenant comes from the `Authorization: Bearer KEY` header alone.
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{SyncSender, TrySendError};
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use kvstack_engine::RequestSpec;
+use kvstack_kernels::model::Sampling;
+use kvstack_model::tokenizer::ByteLevel;
+use serde_json::{Value, json};
+use tokio::sync::mpsc::unbounded_channel;
+
+use crate::config::{Config, Tenant};
+use crate::metrics::{Metrics, TenantLabel};
+use crate::worker::{Command, Job, JobDone, JobEvent, Shared};
+
+/// Everything a handler needs.
+pub struct AppState {
+    /// The current config (tenants and limits are replaced on `SIGHUP`).
+    pub config: RwLock<Arc<Config>>,
+    /// To the engine thread.
+    pub jobs: SyncSender<Command>,
+    /// Shared with the engine thread.
+    pub shared: Arc<Shared>,
+    /// Metrics.
+    pub metrics: Arc<Metrics>,
+    /// SIGTERM seen: no new requests.
+    pub draining: AtomicBool,
+    /// The model's vocabulary size.
+    pub vocab: u32,
+    /// The tokenizer, when the model has one.
+    pub tokenizer: Option<ByteLevel>,
+    /// Requests per tenant running now.
+    pub tenant_running: std::sync::Mutex<std::collections::HashMap<String, usize>>,
+}
+
+type St = State<Arc<AppState>>;
+
+/// The router over `state`.
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .route("/v1/models", get(models))
+        .route("/v1/completions", post(completions))
+        .route("/v1/kv/lookup", post(kv_lookup))
+        .route("/v1/kv/delete", post(kv_delete))
+        .fallback(|| async { error(StatusCode::NOT_FOUND, None, "no such route".into()) })
+        .with_state(state)
+}
+
+/// An OpenAI-style error body.
+fn error(status: StatusCode, param: Option<&str>, message: String) -> Response {
+    let kind = match status.as_u16() {
+        401 => "authentication_error",
+        429 => "rate_limit_error",
+        400..=499 => "invalid_request_error",
+        _ => "server_error",
+    };
+    let body = json!({"error": {"message": message, "type": kind, "param": param, "code": status.as_u16()}});
+    let mut r = (status, axum::Json(body)).into_response();
+    if matches!(status.as_u16(), 429 | 503) {
+        r.headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    }
+    r
+}
+
+fn bad(param: &str, message: String) -> Response {
+    error(
+        StatusCode::BAD_REQUEST,
+        Some(param),
+        format!("{param}: {message}"),
+    )
+}
+
+async fn readyz(State(s): St) -> Response {
+    if s.draining.load(Ordering::Acquire) {
+        return error(StatusCode::SERVICE_UNAVAILABLE, None, "draining".into());
+    }
+    if !s.shared.ready.load(Ordering::Acquire) {
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            None,
+            "recovering the SSD store".into(),
+        );
+    }
+    "ready\n".into_response()
+}
+
+async fn metrics(State(s): St) -> Response {
+    let tiers = s.shared.tiers.read().ok().and_then(|t| t.clone());
+    let body = s.metrics.encode(tiers.as_deref(), &s.shared.waiting);
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        body,
+    )
+        .into_response()
+}
+
+async fn models(State(s): St, headers: HeaderMap) -> Response {
+    if let Err(r) = tenant(&s, &headers) {
+        return r;
+    }
+    let name = s
+        .config
+        .read()
+        .map(|c| c.model_name.clone())
+        .unwrap_or_default();
+    axum::Json(
+        json!({"object": "list", "data": [{"id": name, "object": "model", "owned_by": "kvstack"}]}),
+    )
+    .into_response()
+}
+
+/// The tenant of a request's key, or 401.
+fn tenant(s: &AppState, headers: &HeaderMap) -> Result<(Tenant, Arc<Config>), Response> {
+    let cfg = s.config.read().map(|c| Arc::clone(&c)).map_err(|_| {
+        error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            None,
+            "config lock".into(),
+        )
+    })?;
+    let key = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    match cfg.tenant_for_key(key) {
+        Some(t) => Ok((t.clone(), Arc::clone(&cfg))),
+        None => Err(error(
+            StatusCode::UNAUTHORIZED,
+            None,
+            if key.is_some() {
+                "invalid API key"
+            } else {
+                "missing Authorization: Bearer KEY"
+            }
+            .into(),
+        )),
+    }
+}
+
+fn parse_json(body: &Bytes) -> Result<serde_json::Map<String, Value>, Response> {
+    match serde_json::from_slice::<Value>(body) {
+        Ok(Value::Object(m)) => Ok(m),
+        Ok(_) => Err(bad("body", "expected a JSON object".into())),
+        Err(e) => Err(bad("body", format!("malformed JSON: {e}"))),
+    }
+}
+
+/// Token ids of `v` (an array of integers below the vocabulary), or text through the
+/// tokenizer.
+fn token_ids(s: &AppState, name: &str, v: &Value) -> Result<Vec<u32>, Response> {
+    match v {
+        Value::String(text) => match &s.tokenizer {
+            Some(t) => Ok(t.encode(text)),
+            None => Err(bad(
+                name,
+                "this model has no tokenizer: send token ids".into(),
+            )),
+        },
+        Value::Array(a) => a
+            .iter()
+            .enumerate()
+            .map(|(i, x)| {
+                let id = x.as_u64().ok_or_else(|| {
+                    bad(
+                        &format!("{name}[{i}]"),
+                        "expected a token id (integer >= 0)".into(),
+                    )
+                })?;
+                if id >= u64::from(s.vocab) {
+                    return Err(bad(
+                        &format!("{name}[{i}]"),
+                        format!("token id {id} is outside the vocabulary (0..{})", s.vocab),
+                    ));
+                }
+                Ok(id as u32)
+            })
+            .collect(),
+        _ => Err(bad(
+            name,
+            "expected a string or an array of token ids".into(),
+        )),
+    }
+}
+
+fn opt_u64(m: &serde_json::Map<String, Value>, k: &str) -> Result<Option<u64>, Response> {
+    match m.get(k) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v
+            .as_u64()
+            .map(Some)
+            .ok_or_else(|| bad(k, "expected an integer >= 0".into())),
+    }
+}
+
+fn opt_f64(m: &serde_json::Map<String, Value>, k: &str) -> Result<Option<f64>, Response> {
+    match m.get(k) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v
+            .as_f64()
+            .map(Some)
+            .ok_or_else(|| bad(k, "expected a number".into())),
+    }
+}
+
+/// Decrements a tenant's running count when the request ends (however it ends).
+struct TenantSlot {
+    state: Arc<AppState>,
+    tenant: String,
+}
+
+impl Drop for TenantSlot {
+    fn drop(&mut self) {
+        if let Ok(mut m) = self.state.tenant_running.lock()
+            && let Some(n) = m.get_mut(&self.tenant)
+        {
+            *n = n.saturating_sub(1);
+        }
+    }
+}
+
+async fn completions(State(s): St, headers: HeaderMap, body: Body) -> Response {
+    let (t, cfg) = match tenant(&s, &headers) {
+        Ok(x) => x,
+        Err(r) => return r,
+    };
+    if s.draining.load(Ordering::Acquire) {
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            None,
+            "the daemon is shutting down".into(),
+        );
+    }
+    if !s.shared.ready.load(Ordering::Acquire) {
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            None,
+            "recovering the SSD store".into(),
+        );
+    }
+    let limits = &cfg.limits;
+    let body = match axum::body::to_bytes(body, limits.max_body_bytes).await {
+        Ok(b) => b,
+        Err(_) => {
+            return error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                Some("body"),
+                format!(
+                    "body: larger than {} bytes (limits.max_body_bytes)",
+                    limits.max_body_bytes
+                ),
+            );
+        }
+    };
+    let m = match parse_json(&body) {
+        Ok(m) => m,
+        Err(r) => return r,
+    };
+    for k in ["n", "best_of", "logprobs", "echo", "suffix"] {
+        if m.get(k)
+            .is_some_and(|v| !v.is_null() && v != &json!(1) && v != &json!(false))
+        {
+            return bad(k, "not supported by kvstackd".into());
+        }
+    }
+    if let Some(v) = m.get("model")
+        && v.as_str() != Some(cfg.model_name.as_str())
+    {
+        return error(
+            StatusCode::NOT_FOUND,
+            Some("model"),
+            format!("model: `{v}` is not served here (`{}` is)", cfg.model_name),
+        );
+    }
+    let Some(prompt) = m.get("prompt") else {
+        return bad("prompt", "missing".into());
+    };
+    let tokens = match token_ids(&s, "prompt", prompt) {
+        Ok(t) => t,
+        Err(r) => return r,
+    };
+    if tokens.is_empty() {
+        return bad("prompt", "empty".into());
+    }
+    if tokens.len() > t.max_prompt_tokens {
+        return bad(
+            "prompt",
+            format!(
+                "{} tokens, more than this tenant's limit of {}",
+                tokens.len(),
+                t.max_prompt_tokens
+            ),
+        );
+    }
+    let max_tokens = match opt_u64(&m, "max_tokens") {
+        Ok(v) => v.unwrap_or(16),
+        Err(r) => return r,
+    };
+    if max_tokens == 0 || max_tokens > limits.max_tokens as u64 {
+        return bad(
+            "max_tokens",
+            format!("{max_tokens} is outside [1, {}]", limits.max_tokens),
+        );
+    }
+    let temperature = match opt_f64(&m, "temperature") {
+        Ok(v) => v.unwrap_or(1.0),
+        Err(r) => return r,
+    };
+    if !(0.0..=2.0).contains(&temperature) {
+        return bad("temperature", format!("{temperature} is outside [0, 2]"));
+    }
+    let top_p = match opt_f64(&m, "top_p") {
+        Ok(v) => v.unwrap_or(1.0),
+        Err(r) => return r,
+    };
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return bad("top_p", format!("{top_p} is outside (0, 1]"));
+    }
+    let seed = match opt_u64(&m, "seed") {
+        Ok(v) => v.unwrap_or(0),
+        Err(r) => return r,
+    };
+    let stream = match m.get("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return bad("stream", "expected true or false".into()),
+    };
+    let stop: Vec<Vec<u8>> = match m.get("stop") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::String(x)) => vec![x.as_bytes().to_vec()],
+        Some(Value::Array(a)) if a.len() <= 4 => {
+            let mut v = Vec::new();
+            for (i, x) in a.iter().enumerate() {
+                match x.as_str() {
+                    Some(x) => v.push(x.as_bytes().to_vec()),
+                    None => return bad(&format!("stop[{i}]"), "expected a string".into()),
+                }
+            }
+            v
+        }
+        Some(_) => return bad("stop", "expected a string or up to 4 strings".into()),
+    };
+    if !stop.is_empty() && s.tokenizer.is_none() {
+        return bad(
+            "stop",
+            "this model has no tokenizer: stop sequences need one".into(),
+        );
+    }
+    let session = match m.get("session").or(None) {
+        Some(Value::String(x)) => Some(x.clone()),
+        None | Some(Value::Null) => headers
+            .get("x-kvstack-session")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string),
+        Some(_) => return bad("session", "expected a string".into()),
+    };
+    if let Some(x) = &session
+        && (x.is_empty() || x.len() > 128)
+    {
+        return bad("session", "1 to 128 bytes".into());
+    }
+    let sampling = if temperature == 0.0 {
+        Sampling::Greedy
+    } else {
+        Sampling::TopP {
+            temperature: temperature as f32,
+            top_p: top_p as f32,
+        }
+    };
+    // Admission: the tenant's concurrency, then the engine's queue.
+    {
+        let Ok(mut running) = s.tenant_running.lock() else {
+            return error(StatusCode::INTERNAL_SERVER_ERROR, None, "lock".into());
+        };
+        let n = running.entry(t.name.clone()).or_insert(0);
+        if *n >= t.max_concurrent {
+            s.metrics.request_done(&t.name, "rejected");
+            return error(
+                StatusCode::TOO_MANY_REQUESTS,
+                None,
+                format!(
+                    "tenant `{}` has {} requests running (its max_concurrent)",
+                    t.name, n
+                ),
+            );
+        }
+        *n += 1;
+    }
+    let slot = TenantSlot {
+        state: Arc::clone(&s),
+        tenant: t.name.clone(),
+    };
+    if s.shared.in_flight.load(Ordering::Acquire) >= cfg.engine.queue_depth as u64 {
+        s.metrics.request_done(&t.name, "rejected");
+        return error(
+            StatusCode::TOO_MANY_REQUESTS,
+            None,
+            "the engine's queue is full".into(),
+        );
+    }
+    let (tx, mut rx) = unbounded_channel();
+    let prompt_tokens = tokens.len() as u64;
+    let job = Job {
+        tenant: t.name.clone(),
+        session,
+        spec: RequestSpec {
+            tokens,
+            max_new_tokens: max_tokens as usize,
+            sampling,
+            seed,
+        },
+        stop,
+        eos: s.tokenizer.as_ref().map(|_| ByteLevel::EOS),
+        deadline: Instant::now() + Duration::from_millis(limits.request_timeout_ms),
+        events: tx,
+    };
+    match s.jobs.try_send(Command::Job(Box::new(job))) {
+        Ok(()) => {}
+        Err(TrySendError::Full(_)) => {
+            s.metrics.request_done(&t.name, "rejected");
+            return error(
+                StatusCode::TOO_MANY_REQUESTS,
+                None,
+                "the engine's queue is full".into(),
+            );
+        }
+        Err(TrySendError::Disconnected(_)) => {
+            return error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                None,
+                "the engine is not running".into(),
+            );
+        }
+    }
+    let id = format!(
+        "cmpl-{:x}",
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos())
+    );
+    let created = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let model = cfg.model_name.clone();
+    if stream {
+        let st = Arc::clone(&s);
+        let events = async_stream(
+            rx,
+            move |e| sse_event(&st, &id, created, &model, prompt_tokens, e),
+            slot,
+        );
+        return Sse::new(events).into_response();
+    }
+    let mut tokens = Vec::new();
+    while let Some(e) = rx.recv().await {
+        match e {
+            JobEvent::Token(tk) => tokens.push(tk),
+            JobEvent::Failed { status, message } => {
+                return error(
+                    StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+                    None,
+                    message,
+                );
+            }
+            JobEvent::Done(d) => {
+                drop(slot);
+                let text = s.tokenizer.as_ref().map(|t| t.decode(&d.tokens));
+                return axum::Json(json!({
+                    "id": id,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": model,
+                    "choices": [{"index": 0, "text": text.unwrap_or_default(), "tokens": d.tokens,
+                                 "finish_reason": d.finish_reason, "logprobs": null}],
+                    "usage": usage(prompt_tokens, &d),
+                }))
+                .into_response();
+            }
+        }
+    }
+    error(
+        StatusCode::SERVICE_UNAVAILABLE,
+        None,
+        "the engine stopped".into(),
+    )
+}
+
+/// `usage` of a finished request: OpenAI's fields plus kvstack's split of the context.
+fn usage(prompt_tokens: u64, d: &JobDone) -> Value {
+    let r = &d.reuse;
+    let cached = r.live_tokens + r.mapped_tokens + r.ssd_tokens;
+    json!({
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": d.tokens.len(),
+        "total_tokens": prompt_tokens + d.tokens.len() as u64,
+        "prompt_tokens_details": {"cached_tokens": cached},
+        "kvstack": {
+            "context_tokens": d.context_tokens,
+            "reuse": format!("{:?}", r.kind).to_lowercase(),
+            "live_tokens": r.live_tokens,
+            "paged_cache_tokens": r.mapped_tokens,
+            "ssd_tokens": r.ssd_tokens,
+            "ssd_bytes": r.ssd_bytes,
+            "dram_window": r.window_from_pool,
+            "replayed_tokens": r.replayed_tokens,
+            "computed_tokens": r.computed_tokens,
+            "ttft_ms": d.ttft.as_secs_f64() * 1e3,
+            "total_ms": d.total.as_secs_f64() * 1e3,
+        }
+    })
+}
+
+fn sse_event(
+    s: &AppState,
+    id: &str,
+    created: u64,
+    model: &str,
+    prompt_tokens: u64,
+    e: JobEvent,
+) -> Vec<SseEvent> {
+    let chunk = |choice: Value, usage: Option<Value>| {
+        let mut v = json!({"id": id, "object": "text_completion", "created": created, "model": model, "choices": [choice]});
+        if let Some(u) = usage {
+            v["usage"] = u;
+        }
+        SseEvent::default().data(v.to_string())
+    };
+    match e {
+        JobEvent::Token(t) => {
+            let text = s
+                .tokenizer
+                .as_ref()
+                .map(|k| k.decode(&[t]))
+                .unwrap_or_default();
+            vec![chunk(
+                json!({"index": 0, "text": text, "token": t, "finish_reason": null}),
+                None,
+            )]
+        }
+        JobEvent::Done(d) => vec![
+            chunk(
+                json!({"index": 0, "text": "", "finish_reason": d.finish_reason}),
+                Some(usage(prompt_tokens, &d)),
+            ),
+            SseEvent::default().data("[DONE]"),
+        ],
+        JobEvent::Failed { status, message } => vec![
+            SseEvent::default()
+                .event("error")
+                .data(json!({"error": {"message": message, "code": status}}).to_string()),
+            SseEvent::default().data("[DONE]"),
+        ],
+    }
+}
+
+/// The SSE stream of a job: its events mapped by `f`, ending after the last; `slot` (and so
+/// the tenant's running count) lives as long as the stream. Dropping the stream (the client
+/// went away) closes the job's channel, which cancels it in the engine.
+fn async_stream(
+    rx: tokio::sync::mpsc::UnboundedReceiver<JobEvent>,
+    f: impl Fn(JobEvent) -> Vec<SseEvent> + Send + Unpin + 'static,
+    slot: TenantSlot,
+) -> impl tokio_stream::Stream<Item = Result<SseEvent, Infallible>> + Send {
+    struct S<F> {
+        rx: tokio::sync::mpsc::UnboundedReceiver<JobEvent>,
+        f: F,
+        pending: std::collections::VecDeque<SseEvent>,
+        done: bool,
+        _slot: TenantSlot,
+    }
+    impl<F: Fn(JobEvent) -> Vec<SseEvent> + Unpin> tokio_stream::Stream for S<F> {
+        type Item = Result<SseEvent, Infallible>;
+        fn poll_next(
+            mut self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<Self::Item>> {
+            use std::task::Poll;
+            loop {
+                if let Some(e) = self.pending.pop_front() {
+                    return Poll::Ready(Some(Ok(e)));
+                }
+                if self.done {
+                    return Poll::Ready(None);
+                }
+                match self.rx.poll_recv(cx) {
+                    Poll::Pending => return Poll::Pending,
+                    Poll::Ready(None) => self.done = true,
+                    Poll::Ready(Some(e)) => {
+                        let last = !matches!(e, JobEvent::Token(_));
+                        let out = (self.f)(e);
+                        self.pending.extend(out);
+                        self.done = last;
+                    }
+                }
+            }
+        }
+    }
+    S {
+        rx,
+        f,
+        pending: Default::default(),
+        done: false,
+        _slot: slot,
+    }
+}
+
+async fn kv_body(
+    s: &AppState,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<(Tenant, Vec<u32>), Response> {
+    let (t, cfg) = tenant(s, headers)?;
+    if !s.shared.ready.load(Ordering::Acquire) {
+        return Err(error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            None,
+            "recovering the SSD store".into(),
+        ));
+    }
+    let body = axum::body::to_bytes(body, cfg.limits.max_body_bytes)
+        .await
+        .map_err(|_| {
+            error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                Some("body"),
+                "body: too large (limits.max_body_bytes)".into(),
+            )
+        })?;
+    let m = parse_json(&body)?;
+    let v = m
+        .get("tokens")
+        .ok_or_else(|| bad("tokens", "missing".into()))?;
+    if !v.is_array() {
+        return Err(bad("tokens", "expected an array of token ids".into()));
+    }
+    let tokens = token_ids(s, "tokens", v)?;
+    if tokens.is_empty() {
+        return Err(bad("tokens", "empty".into()));
+    }
+    Ok((t, tokens))
+}
+
+async fn kv_lookup(State(s): St, headers: HeaderMap, body: Body) -> Response {
+    let (t, tokens) = match kv_body(&s, &headers, body).await {
+        Ok(x) => x,
+        Err(r) => return r,
+    };
+    let Some(tiers) = s.shared.tiers.read().ok().and_then(|x| x.clone()) else {
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            None,
+            "this daemon runs without tiers".into(),
+        );
+    };
+    let st = Arc::clone(&s);
+    let r = tokio::task::spawn_blocking(move || {
+        let hit = tiers.lookup(&tokens, &kvstack_tiers::Tenant::new(&t.name));
+        let label = TenantLabel {
+            tenant: t.name.clone(),
+        };
+        st.metrics.kv_lookups.get_or_create(&label).inc();
+        if hit.tokens > 0 {
+            st.metrics.kv_hits.get_or_create(&label).inc();
+        }
+        json!({
+            "tokens": hit.tokens,
+            "tiers": {"ssd": {"tokens": hit.tokens, "blocks": hit.store.keys.len()},
+                      "dram_window": hit.window},
+            "page_tokens": tiers.geometry().page_tokens,
+        })
+    })
+    .await;
+    match r {
+        Ok(v) => axum::Json(v).into_response(),
+        Err(e) => error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            None,
+            format!("lookup failed: {e}"),
+        ),
+    }
+}
+
+async fn kv_delete(State(s): St, headers: HeaderMap, body: Body) -> Response {
+    let (t, tokens) = match kv_body(&s, &headers, body).await {
+        Ok(x) => x,
+        Err(r) => return r,
+    };
+    let Some(tiers) = s.shared.tiers.read().ok().and_then(|x| x.clone()) else {
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            None,
+            "this daemon runs without tiers".into(),
+        );
+    };
+    let r = tokio::task::spawn_blocking(move || {
+        let ticket = tiers.delete_unit(&kvstack_tiers::Tenant::new(&t.name), &tokens)?;
+        ticket.wait()
+    })
+    .await;
+    match r {
+        Ok(Ok(outcome)) => {
+            axum::Json(json!({"deleted": format!("{outcome:?}").to_lowercase(), "durable": true}))
+                .into_response()
+        }
+        Ok(Err(e)) => error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            None,
+            format!("delete failed: {e}"),
+        ),
+        Err(e) => error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            None,
+            format!("delete failed: {e}"),
+        ),
+    }
+}

@@ -1,0 +1,364 @@
+//! kvstackd end to end: the real binary on a temporary data directory and Unix socket.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+struct Daemon {
+    child: Child,
+    sock: PathBuf,
+}
+
+impl Daemon {
+    fn start(dir: &Path, config: &str) -> Daemon {
+        Daemon::start_with(dir, config, None, |_| {})
+    }
+
+    /// `activate`: the socket systemd-socket-activate listens on (the config's own address
+    /// is then a different path, which must stay unused).
+    fn start_with(
+        dir: &Path,
+        config: &str,
+        activate: Option<&Path>,
+        env: impl FnOnce(&mut Command),
+    ) -> Daemon {
+        let sock = dir.join("kvstackd.sock");
+        let cfg = dir.join("kvstackd.toml");
+        std::fs::write(
+            &cfg,
+            format!(
+                "data_dir = \"{}\"\nlisten = [\"unix:{}\"]\n[window_pool]\ncapacity_bytes = 67108864\n[ssd]\ncapacity_bytes = 1073741824\n[engine]\nthreads = 1\nmax_sequences = 8\ncontext_limit = 4096\n{config}",
+                dir.join("data").display(),
+                sock.display()
+            ),
+        )
+        .unwrap();
+        let mut cmd = match activate {
+            Some(a) => {
+                let mut c = Command::new("systemd-socket-activate");
+                c.arg("-l").arg(a).arg(env!("CARGO_BIN_EXE_kvstackd"));
+                c
+            }
+            None => Command::new(env!("CARGO_BIN_EXE_kvstackd")),
+        };
+        cmd.arg("--config").arg(&cfg).stderr(Stdio::null());
+        env(&mut cmd);
+        let child = cmd.spawn().unwrap();
+        let sock = activate.map_or(sock, Path::to_path_buf);
+        let d = Daemon { child, sock };
+        let t0 = Instant::now();
+        loop {
+            if let Ok((200, _)) = d.try_req("GET", "/readyz", None, "") {
+                return d;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "kvstackd not ready in 60 s"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn try_req(
+        &self,
+        method: &str,
+        path: &str,
+        key: Option<&str>,
+        body: &str,
+    ) -> std::io::Result<(u16, String)> {
+        let mut s = UnixStream::connect(&self.sock)?;
+        s.set_read_timeout(Some(Duration::from_secs(60)))?;
+        let auth = key
+            .map(|k| format!("Authorization: Bearer {k}\r\n"))
+            .unwrap_or_default();
+        write!(
+            s,
+            "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )?;
+        let mut out = Vec::new();
+        s.read_to_end(&mut out)?;
+        let text = String::from_utf8_lossy(&out).into_owned();
+        let status = text.get(9..12).and_then(|s| s.parse().ok()).unwrap_or(0);
+        let body = text
+            .split_once("\r\n\r\n")
+            .map(|x| x.1.to_string())
+            .unwrap_or_default();
+        Ok((status, body))
+    }
+
+    fn req(&self, method: &str, path: &str, key: Option<&str>, body: &str) -> (u16, String) {
+        self.try_req(method, path, key, body).unwrap()
+    }
+
+    fn json(&self, path: &str, key: Option<&str>, body: &str) -> serde_json::Value {
+        let (st, b) = self.req("POST", path, key, body);
+        assert_eq!(st, 200, "{path} {body}: {b}");
+        serde_json::from_str(&b).unwrap()
+    }
+
+    fn stop(mut self) -> i32 {
+        let pid = self.child.id() as i32;
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe { libc_kill(pid, 15) };
+        let t0 = Instant::now();
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return s.code().unwrap_or(-1);
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "no exit 30 s after SIGTERM"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+unsafe extern "C" {
+    #[link_name = "kill"]
+    fn libc_kill(pid: i32, sig: i32) -> i32;
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn completes_streams_reuses_and_survives_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path(), "");
+    let (st, body) = d.req("GET", "/v1/models", None, "");
+    assert_eq!(st, 200, "{body}");
+    assert!(body.contains("kvstack-tiny"), "{body}");
+
+    let prompt: Vec<u32> = (0..300).map(|i| (i * 7 + 3) % 250).collect();
+    let req =
+        serde_json::json!({"prompt": prompt, "max_tokens": 4, "temperature": 0, "session": "s1"})
+            .to_string();
+    let a = d.json("/v1/completions", None, &req);
+    assert_eq!(
+        a["choices"][0]["tokens"].as_array().unwrap().len(),
+        4,
+        "{a}"
+    );
+    assert_eq!(a["usage"]["completion_tokens"], 4);
+    // The next turn of the same session reuses its context.
+    let req2 = serde_json::json!({"prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0, "session": "s1"}).to_string();
+    let b = d.json("/v1/completions", None, &req2);
+    assert!(
+        b["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+            > 0,
+        "{b}"
+    );
+
+    // Streaming: one event per token, then [DONE].
+    let sreq = serde_json::json!({"prompt": "hello, kvstack", "max_tokens": 3, "stream": true})
+        .to_string();
+    let (st, body) = d.req("POST", "/v1/completions", None, &sreq);
+    assert_eq!(st, 200, "{body}");
+    assert_eq!(body.matches("\"token\":").count(), 3, "{body}");
+    assert!(body.contains("data: [DONE]"), "{body}");
+
+    // The same prompt without a session: its prefix comes through the tiers.
+    let fresh =
+        serde_json::json!({"prompt": prompt, "max_tokens": 1, "temperature": 0}).to_string();
+    let c = d.json("/v1/completions", None, &fresh);
+    assert!(
+        c["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+            > 0,
+        "{c}"
+    );
+    let (st, m) = d.req("GET", "/metrics", None, "");
+    assert_eq!(st, 200);
+    assert!(m.contains("kvstack_requests_total"), "{m}");
+    assert_eq!(d.stop(), 0, "SIGTERM must drain and exit 0");
+
+    // After a restart, SSD hits survive.
+    let d = Daemon::start(dir.path(), "");
+    let e = d.json("/v1/completions", None, &fresh);
+    assert!(
+        e["usage"]["kvstack"]["ssd_tokens"].as_u64().unwrap() > 0,
+        "{e}"
+    );
+    let l = d.json(
+        "/v1/kv/lookup",
+        None,
+        &serde_json::json!({"tokens": prompt}).to_string(),
+    );
+    assert!(l["tokens"].as_u64().unwrap() > 0, "{l}");
+    assert_eq!(d.stop(), 0);
+}
+
+#[test]
+fn bad_requests_get_4xx_naming_the_field_and_tenants_are_isolated() {
+    let dir = tempfile::tempdir().unwrap();
+    let ka = "key-of-a";
+    let kb = "key-of-b";
+    let cfg = format!(
+        "[[tenant]]\nname = \"a\"\napi_key_sha256 = \"{}\"\n[[tenant]]\nname = \"b\"\napi_key_sha256 = \"{}\"\n",
+        kvstack_appliance::config::key_digest_hex(ka),
+        kvstack_appliance::config::key_digest_hex(kb)
+    );
+    let d = Daemon::start(dir.path(), &cfg);
+    let ok = r#"{"prompt": [1, 2, 3], "max_tokens": 1}"#;
+    assert_eq!(d.req("POST", "/v1/completions", None, ok).0, 401);
+    assert_eq!(d.req("POST", "/v1/completions", Some("wrong"), ok).0, 401);
+    let cases = [
+        ("{", "body"),
+        ("[1]", "body"),
+        (r#"{"max_tokens": 1}"#, "prompt"),
+        (r#"{"prompt": []}"#, "prompt"),
+        (r#"{"prompt": [1, 99999]}"#, "prompt[1]"),
+        (r#"{"prompt": [1, -1]}"#, "prompt[1]"),
+        (r#"{"prompt": [1], "max_tokens": 0}"#, "max_tokens"),
+        (r#"{"prompt": [1], "max_tokens": "x"}"#, "max_tokens"),
+        (r#"{"prompt": [1], "temperature": 9}"#, "temperature"),
+        (r#"{"prompt": [1], "top_p": 0}"#, "top_p"),
+        (r#"{"prompt": [1], "stream": 3}"#, "stream"),
+        (r#"{"prompt": [1], "n": 2}"#, "n"),
+    ];
+    for (body, field) in cases {
+        let (st, b) = d.req("POST", "/v1/completions", Some(ka), body);
+        assert_eq!(st, 400, "{body}: {b}");
+        assert!(b.contains(field), "{body}: {b}");
+    }
+    // Tenant a's prompt is cached for a, never for b.
+    let prompt: Vec<u32> = (0..200).map(|i| (i * 11 + 1) % 250).collect();
+    let req = serde_json::json!({"prompt": prompt, "max_tokens": 1, "temperature": 0}).to_string();
+    d.json("/v1/completions", Some(ka), &req);
+    let again = d.json("/v1/completions", Some(ka), &req);
+    assert!(
+        again["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+            > 0,
+        "{again}"
+    );
+    let other = d.json("/v1/completions", Some(kb), &req);
+    assert_eq!(
+        other["usage"]["prompt_tokens_details"]["cached_tokens"], 0,
+        "{other}"
+    );
+    let lb = d.json(
+        "/v1/kv/lookup",
+        Some(kb),
+        &serde_json::json!({"tokens": prompt}).to_string(),
+    );
+    assert_eq!(lb["tokens"], 0, "{lb}");
+    assert_eq!(d.stop(), 0);
+}
+
+#[test]
+fn check_config_refuses_unknown_keys() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("k.toml");
+    std::fs::write(&p, "[engine]\nchunkk = 3\n").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_kvstackd"))
+        .arg("--config")
+        .arg(&p)
+        .arg("--check-config")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("chunkk"), "{err}");
+    std::fs::write(&p, "[engine]\nchunk = 3\n").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_kvstackd"))
+        .arg("--config")
+        .arg(&p)
+        .arg("--check-config")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn have(tool: &str) -> bool {
+    Command::new(tool)
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+#[test]
+fn socket_activation_and_sd_notify() {
+    if !have("systemd-socket-activate") {
+        eprintln!("SKIPPED: systemd-socket-activate not installed (Debian package systemd)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let notify = dir.path().join("notify.sock");
+    let rx = std::os::unix::net::UnixDatagram::bind(&notify).unwrap();
+    rx.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
+    let passed = dir.path().join("passed.sock");
+    let d = Daemon::start_with(dir.path(), "", Some(&passed), |c| {
+        c.env("NOTIFY_SOCKET", &notify)
+            .env("WATCHDOG_USEC", "400000");
+    });
+    // It serves on the passed socket and never binds its configured one.
+    let (st, _) = d.req(
+        "POST",
+        "/v1/completions",
+        None,
+        r#"{"prompt": [1, 2, 3], "max_tokens": 2}"#,
+    );
+    assert_eq!(st, 200);
+    assert!(!dir.path().join("kvstackd.sock").exists());
+    let mut msgs = String::new();
+    let t0 = Instant::now();
+    let mut buf = [0u8; 4096];
+    while t0.elapsed() < Duration::from_secs(5)
+        && !(msgs.contains("READY=1") && msgs.contains("WATCHDOG=1"))
+    {
+        if let Ok(n) = rx.recv(&mut buf) {
+            msgs.push_str(&String::from_utf8_lossy(&buf[..n]));
+            msgs.push('\n');
+        }
+    }
+    assert!(msgs.contains("STATUS=recovering"), "{msgs}");
+    assert!(msgs.contains("READY=1"), "{msgs}");
+    assert!(msgs.contains("WATCHDOG=1"), "{msgs}");
+    assert_eq!(d.stop(), 0);
+}
+
+#[test]
+fn systemd_units_verify() {
+    if !have("systemd-analyze") {
+        eprintln!("SKIPPED: systemd-analyze not installed (Debian package systemd)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let units = concat!(env!("CARGO_MANIFEST_DIR"), "/../../packaging/systemd");
+    for u in ["kvstackd.service", "kvstackd.socket"] {
+        // ExecStart must name an existing binary for verify: point it at the built one.
+        let text = std::fs::read_to_string(Path::new(units).join(u)).unwrap();
+        let text = text.replace("/usr/local/bin/kvstackd", env!("CARGO_BIN_EXE_kvstackd"));
+        std::fs::write(dir.path().join(u), text).unwrap();
+    }
+    let out = Command::new("systemd-analyze")
+        .arg("verify")
+        .arg(dir.path().join("kvstackd.service"))
+        .arg(dir.path().join("kvstackd.socket"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    // Lines about the host's own units (not ours) are not this test's business.
+    let ours: Vec<&str> = err.lines().filter(|l| l.contains("kvstackd")).collect();
+    assert!(out.status.success() && ours.is_empty(), "{err}");
+}
