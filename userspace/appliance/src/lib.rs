@@ -47,6 +47,20 @@ fn notify(states: &[NotifyState<'_>]) {
     }
 }
 
+/// Half of systemd's `WATCHDOG_USEC`, when the watchdog is on for this process. As
+/// libsystemd's `sd_watchdog_enabled(3)`: a `WATCHDOG_PID` naming another process turns it off,
+/// none at all leaves it on (the `sd-notify` crate insists on the pid, which a supervisor such
+/// as `systemd-socket-activate` cannot know before it execs us).
+fn watchdog_interval() -> Option<Duration> {
+    let usec: u64 = std::env::var("WATCHDOG_USEC").ok()?.parse().ok()?;
+    if let Ok(pid) = std::env::var("WATCHDOG_PID")
+        && pid.parse::<u32>().ok() != Some(std::process::id())
+    {
+        return None;
+    }
+    (usec > 0).then(|| Duration::from_micros(usec / 2))
+}
+
 /// Sockets passed by systemd (`LISTEN_FDS`), else the configured addresses, bound.
 fn sockets(cfg: &Config) -> Result<Vec<Socket>> {
     let mut fds = listenfd::ListenFd::from_env();
@@ -197,10 +211,7 @@ async fn serve_async(cfg: Config, config_path: Option<PathBuf>) -> Result<()> {
         _ => None,
     };
     let idle = Duration::from_millis(cfg.engine.session_idle_ms);
-    let watchdog = {
-        let mut usec = 0;
-        sd_notify::watchdog_enabled(false, &mut usec).then(|| Duration::from_micros(usec / 2))
-    };
+    let watchdog = watchdog_interval();
     notify(&[NotifyState::Status(&format!(
         "recovering the SSD store in {}",
         cfg.data_dir.display()

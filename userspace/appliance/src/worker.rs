@@ -52,7 +52,7 @@ pub enum JobEvent {
 /// A finished job.
 #[derive(Debug)]
 pub struct JobDone {
-    /// Generated tokens (without a matched stop sequence's last token? no: all of them).
+    /// Generated tokens, all of them (a matched stop sequence included).
     pub tokens: Vec<u32>,
     /// `length` or `stop`.
     pub finish_reason: &'static str,
@@ -363,7 +363,7 @@ fn route(
                     tokens: c.tokens.clone(),
                     finish_reason: "length",
                     context_tokens: c.context_tokens,
-                    reuse: c.reuse.clone(),
+                    reuse: c.reuse,
                     ttft: c.ttft,
                     total: c.total,
                 })));
@@ -397,19 +397,20 @@ fn route(
         a.text.push(b);
         stop |= a.stop.iter().any(|s| !s.is_empty() && a.text.ends_with(s));
     }
-    if stop && let Some(c) = svc.stop(id) {
-        if let Some(a) = active.remove(&id) {
-            metrics.completed(&a.tenant, &c.reuse, c.tokens.len() as u64);
-            let _ = a.events.send(JobEvent::Done(Box::new(JobDone {
-                tokens: c.tokens,
-                finish_reason: "stop",
-                context_tokens: c.context_tokens,
-                reuse: c.reuse,
-                ttft: c.ttft,
-                total: c.total,
-            })));
-            end_job(svc, &a, false, named, shared);
-        }
+    if stop
+        && let Some(c) = svc.stop(id)
+        && let Some(a) = active.remove(&id)
+    {
+        metrics.completed(&a.tenant, &c.reuse, c.tokens.len() as u64);
+        let _ = a.events.send(JobEvent::Done(Box::new(JobDone {
+            tokens: c.tokens,
+            finish_reason: "stop",
+            context_tokens: c.context_tokens,
+            reuse: c.reuse,
+            ttft: c.ttft,
+            total: c.total,
+        })));
+        end_job(svc, &a, false, named, shared);
     }
 }
 

@@ -14,7 +14,7 @@ struct Daemon {
 
 impl Daemon {
     fn start(dir: &Path, config: &str) -> Daemon {
-        Daemon::start_with(dir, config, None, |_| {})
+        Daemon::start_with(dir, config, None, &[])
     }
 
     /// `activate`: the socket systemd-socket-activate listens on (the config's own address
@@ -23,7 +23,7 @@ impl Daemon {
         dir: &Path,
         config: &str,
         activate: Option<&Path>,
-        env: impl FnOnce(&mut Command),
+        env: &[(&str, String)],
     ) -> Daemon {
         let sock = dir.join("kvstackd.sock");
         let cfg = dir.join("kvstackd.toml");
@@ -39,13 +39,18 @@ impl Daemon {
         let mut cmd = match activate {
             Some(a) => {
                 let mut c = Command::new("systemd-socket-activate");
-                c.arg("-l").arg(a).arg(env!("CARGO_BIN_EXE_kvstackd"));
+                c.arg("-l").arg(a);
+                // It hands the program a fresh environment: pass what the test sets.
+                for (k, v) in env {
+                    c.arg(format!("--setenv={k}={v}"));
+                }
+                c.arg(env!("CARGO_BIN_EXE_kvstackd"));
                 c
             }
             None => Command::new(env!("CARGO_BIN_EXE_kvstackd")),
         };
         cmd.arg("--config").arg(&cfg).stderr(Stdio::null());
-        env(&mut cmd);
+        cmd.envs(env.iter().map(|(k, v)| (k, v)));
         let child = cmd.spawn().unwrap();
         let sock = activate.map_or(sock, Path::to_path_buf);
         let d = Daemon { child, sock };
@@ -237,6 +242,20 @@ fn bad_requests_get_4xx_naming_the_field_and_tenants_are_isolated() {
     let prompt: Vec<u32> = (0..200).map(|i| (i * 11 + 1) % 250).collect();
     let req = serde_json::json!({"prompt": prompt, "max_tokens": 1, "temperature": 0}).to_string();
     d.json("/v1/completions", Some(ka), &req);
+    // Units are written behind: another session finds the prefix once it is durable.
+    let lookup = serde_json::json!({"tokens": prompt}).to_string();
+    let t0 = Instant::now();
+    while d.json("/v1/kv/lookup", Some(ka), &lookup)["tokens"] == 0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "tenant a's unit never became durable"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // A unit is reused by a longer prompt (an agent's next turn appends to the last).
+    let mut longer = prompt.clone();
+    longer.extend([1, 2, 3]);
+    let req = serde_json::json!({"prompt": longer, "max_tokens": 1, "temperature": 0}).to_string();
     let again = d.json("/v1/completions", Some(ka), &req);
     assert!(
         again["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -307,10 +326,11 @@ fn socket_activation_and_sd_notify() {
     let rx = std::os::unix::net::UnixDatagram::bind(&notify).unwrap();
     rx.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
     let passed = dir.path().join("passed.sock");
-    let d = Daemon::start_with(dir.path(), "", Some(&passed), |c| {
-        c.env("NOTIFY_SOCKET", &notify)
-            .env("WATCHDOG_USEC", "400000");
-    });
+    let env = [
+        ("NOTIFY_SOCKET", notify.display().to_string()),
+        ("WATCHDOG_USEC", "400000".to_string()),
+    ];
+    let d = Daemon::start_with(dir.path(), "", Some(&passed), &env);
     // It serves on the passed socket and never binds its configured one.
     let (st, _) = d.req(
         "POST",
