@@ -68,16 +68,33 @@ fn every_file_matches_sha256sums_and_none_is_unlisted() {
             present.push(Path::new(folder).join(f).display().to_string());
         }
     }
-    let unlisted: Vec<_> = present.iter().filter(|p| !listed.contains_key(*p)).collect();
-    assert!(unlisted.is_empty(), "files in testdata/ not in SHA256SUMS: {unlisted:?}");
+    let unlisted: Vec<_> = present
+        .iter()
+        .filter(|p| !listed.contains_key(*p))
+        .collect();
+    assert!(
+        unlisted.is_empty(),
+        "files in testdata/ not in SHA256SUMS: {unlisted:?}"
+    );
     for (name, hash) in &listed {
         let path = root().join(name);
-        assert!(path.is_file(), "testdata/{name} listed in SHA256SUMS is missing");
-        assert_eq!(&sha256_hex(&path), hash, "testdata/{name} differs from SHA256SUMS");
+        assert!(
+            path.is_file(),
+            "testdata/{name} listed in SHA256SUMS is missing"
+        );
+        assert_eq!(
+            &sha256_hex(&path),
+            hash,
+            "testdata/{name} differs from SHA256SUMS"
+        );
     }
     // The suite's vectors and configs are all here (a truncated copy would pass the loop above
     // only with a truncated manifest).
-    assert!(listed.len() >= 30, "SHA256SUMS lists only {} files", listed.len());
+    assert!(
+        listed.len() >= 30,
+        "SHA256SUMS lists only {} files",
+        listed.len()
+    );
 }
 
 #[test]
@@ -91,7 +108,10 @@ fn copy_is_byte_identical_to_shared_when_it_is_beside_the_checkout() {
         let ours = root().join(folder);
         let theirs = shared.join(origin);
         let (a, b) = (files(&ours), files(&theirs));
-        assert_eq!(a, b, "testdata/{folder} and ../shared/{origin} hold different files");
+        assert_eq!(
+            a, b,
+            "testdata/{folder} and ../shared/{origin} hold different files"
+        );
         for f in a {
             let (x, y) = (std::fs::read(ours.join(&f)), std::fs::read(theirs.join(&f)));
             assert!(

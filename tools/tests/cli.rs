@@ -24,11 +24,7 @@ fn vectors(name: &str) -> PathBuf {
 }
 
 fn config(name: &str) -> String {
-    testdata()
-        .join("configs")
-        .join(name)
-        .display()
-        .to_string()
+    testdata().join("configs").join(name).display().to_string()
 }
 
 fn scratch(name: &str) -> PathBuf {
