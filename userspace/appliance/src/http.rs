@@ -436,7 +436,7 @@ async fn completions(State(s): St, headers: HeaderMap, body: Body) -> Response {
             seed,
         },
         stop,
-        eos: s.tokenizer.as_ref().map(|_| ByteLevel::EOS),
+        tokenizer: s.tokenizer,
         deadline: Instant::now() + Duration::from_millis(limits.request_timeout_ms),
         events: tx,
     };
@@ -666,17 +666,30 @@ async fn kv_body(
     Ok((t, tokens))
 }
 
+/// The tiers for a KV-cache API call, or 503 (not open yet, or closing).
+fn shared_tiers(s: &AppState) -> Result<Arc<kvstack_tiers::Tiers>, Response> {
+    s.shared
+        .tiers
+        .read()
+        .ok()
+        .and_then(|x| x.clone())
+        .ok_or_else(|| {
+            error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                None,
+                "the tiers are not open".into(),
+            )
+        })
+}
+
 async fn kv_lookup(State(s): St, headers: HeaderMap, body: Body) -> Response {
     let (t, tokens) = match kv_body(&s, &headers, body).await {
         Ok(x) => x,
         Err(r) => return r,
     };
-    let Some(tiers) = s.shared.tiers.read().ok().and_then(|x| x.clone()) else {
-        return error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            None,
-            "this daemon runs without tiers".into(),
-        );
+    let tiers = match shared_tiers(&s) {
+        Ok(t) => t,
+        Err(r) => return r,
     };
     let st = Arc::clone(&s);
     let r = tokio::task::spawn_blocking(move || {
@@ -711,12 +724,9 @@ async fn kv_delete(State(s): St, headers: HeaderMap, body: Body) -> Response {
         Ok(x) => x,
         Err(r) => return r,
     };
-    let Some(tiers) = s.shared.tiers.read().ok().and_then(|x| x.clone()) else {
-        return error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            None,
-            "this daemon runs without tiers".into(),
-        );
+    let tiers = match shared_tiers(&s) {
+        Ok(t) => t,
+        Err(r) => return r,
     };
     let r = tokio::task::spawn_blocking(move || {
         let ticket = tiers.delete_unit(&kvstack_tiers::Tenant::new(&t.name), &tokens)?;

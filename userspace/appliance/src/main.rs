@@ -54,7 +54,7 @@ fn load(a: &Args) -> Result<(Config, Option<PathBuf>), kvstack_appliance::Error>
     };
     let mut cfg = match &path {
         Some(p) => Config::from_file(p)?,
-        None => Config::defaults(),
+        None => Config::defaults()?,
     };
     if let Some(d) = &a.data_dir {
         cfg.data_dir = d.clone();

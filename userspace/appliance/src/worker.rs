@@ -10,6 +10,7 @@ use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use kvstack_engine::{Event, RequestId, RequestSpec, Reuse, Service, SessionId};
+use kvstack_model::tokenizer::ByteLevel;
 use kvstack_tiers::Tiers;
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -25,8 +26,9 @@ pub struct Job {
     pub spec: RequestSpec,
     /// Stop sequences (bytes of the generated text).
     pub stop: Vec<Vec<u8>>,
-    /// Token that ends generation (the tokenizer's end of sequence), if any.
-    pub eos: Option<u32>,
+    /// The model's tokenizer, if it has one: its end-of-sequence token and the bytes of
+    /// tokens (for stop sequences).
+    pub tokenizer: Option<ByteLevel>,
     /// When the job must be done.
     pub deadline: Instant,
     /// Where its events go.
@@ -91,7 +93,7 @@ struct Active {
     events: UnboundedSender<JobEvent>,
     deadline: Instant,
     stop: Vec<Vec<u8>>,
-    eos: Option<u32>,
+    tokenizer: Option<ByteLevel>,
     text: Vec<u8>,
     session: SessionId,
     /// Named session key, or `None` for a session to close after the job.
@@ -121,6 +123,7 @@ pub fn run(
     let mut named: HashMap<(String, String), Named> = HashMap::new();
     let mut last_ping = Instant::now();
     let mut last_status = Instant::now();
+    let mut last_gauges = Instant::now();
     let mut shutdown = false;
     loop {
         // Commands: block only while idle, and never past the next watchdog ping.
@@ -197,7 +200,11 @@ pub fn run(
             }
             keep
         });
-        metrics.engine_gauges(&svc, named.len());
+        // Cache usage walks every pool: once a second, not on every step.
+        if last_gauges.elapsed() >= Duration::from_secs(1) {
+            metrics.engine_gauges(&svc, named.len());
+            last_gauges = Instant::now();
+        }
         if let Some(w) = watchdog
             && last_ping.elapsed() >= w
         {
@@ -284,7 +291,7 @@ fn admit(
                     events: job.events,
                     deadline: job.deadline,
                     stop: job.stop,
-                    eos: job.eos,
+                    tokenizer: job.tokenizer,
                     text: Vec::new(),
                     session,
                     named: key,
@@ -392,8 +399,8 @@ fn route(
     a.last_token = now;
     let _ = a.events.send(JobEvent::Token(token));
     // Stop sequences and the end-of-sequence token end a decoding request early.
-    let mut stop = a.eos == Some(token);
-    if let Some(b) = token_byte(token) {
+    let mut stop = a.tokenizer.is_some() && token == ByteLevel::EOS;
+    if let Some(b) = a.tokenizer.and_then(|t| t.token_bytes(token)) {
         a.text.push(b);
         stop |= a.stop.iter().any(|s| !s.is_empty() && a.text.ends_with(s));
     }
@@ -412,9 +419,4 @@ fn route(
         })));
         end_job(svc, &a, false, named, shared);
     }
-}
-
-/// The byte a token stands for in the built-in model's byte-level vocabulary.
-fn token_byte(t: u32) -> Option<u8> {
-    u8::try_from(t).ok()
 }
