@@ -47,6 +47,15 @@ pub enum Error {
         source: std::io::Error,
     },
 
+    /// A KV-cache API frame is malformed (`docs/kv-protocol.md`).
+    #[error("frame field `{field}`: {reason}")]
+    Frame {
+        /// The field or section (`magic`, `header`, `blocks[3]`, `crc32c[3]`, `window`).
+        field: String,
+        /// What is wrong.
+        reason: String,
+    },
+
     /// The engine thread stopped (it failed or the daemon is shutting down).
     #[error("the engine is not running")]
     EngineGone,

@@ -1,5 +1,6 @@
 //! The HTTP API: `/v1/completions` (JSON or server-sent events), `/v1/models`, the KV-cache
-//! API (`/v1/kv/lookup`, `/v1/kv/delete`), `/metrics`, `/healthz`, `/readyz`
+//! API (`/v1/kv/lookup`, `/v1/kv/get`, `/v1/kv/put`, `/v1/kv/delete`; unit bodies in the
+//! binary framing of [`crate::frame`]), `/metrics`, `/healthz`, `/readyz`
 //! (`docs/appliance.md` has every route, field and status).
 //!
 //! Request bodies are parsed by hand from JSON values so that every error names its field;
@@ -17,7 +18,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::Router;
 use axum::body::{Body, Bytes};
-use axum::extract::State;
+use axum::extract::{Query, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
@@ -64,6 +65,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/kv/lookup", post(kv_lookup))
         .route("/v1/kv/delete", post(kv_delete))
+        .route("/v1/kv/get", post(kv_get))
+        .route("/v1/kv/put", post(kv_put))
         .fallback(|| async { error(StatusCode::NOT_FOUND, None, "no such route".into()) })
         .with_state(state)
 }
@@ -129,9 +132,13 @@ async fn models(State(s): St, headers: HeaderMap) -> Response {
         .read()
         .map(|c| c.model_name.clone())
         .unwrap_or_default();
-    axum::Json(
-        json!({"object": "list", "data": [{"id": name, "object": "model", "owned_by": "kvstack"}]}),
-    )
+    // What a KV-cache API client needs to build frames: the fingerprint and the page size.
+    let kv = shared_tiers(&s).ok().map(
+        |t| json!({"fingerprint": fingerprint_hex(&t), "page_tokens": t.geometry().page_tokens}),
+    );
+    axum::Json(json!({"object": "list", "data": [
+        {"id": name, "object": "model", "owned_by": "kvstack", "kvstack": kv}
+    ]}))
     .into_response()
 }
 
@@ -630,11 +637,14 @@ fn async_stream(
     }
 }
 
-async fn kv_body(
+/// The tenant and the body of a KV-cache API call (at most `limit` bytes), or the error
+/// response (401, 503 while recovering, 413).
+async fn kv_prelude(
     s: &AppState,
     headers: &HeaderMap,
     body: Body,
-) -> Result<(Tenant, Vec<u32>), Response> {
+    limit: impl Fn(&Config) -> (usize, &'static str),
+) -> Result<(Tenant, Arc<Config>, Bytes), Response> {
     let (t, cfg) = tenant(s, headers)?;
     if !s.shared.ready.load(Ordering::Acquire) {
         return Err(error(
@@ -643,15 +653,27 @@ async fn kv_body(
             "recovering the SSD store".into(),
         ));
     }
-    let body = axum::body::to_bytes(body, cfg.limits.max_body_bytes)
-        .await
-        .map_err(|_| {
-            error(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                Some("body"),
-                "body: too large (limits.max_body_bytes)".into(),
-            )
-        })?;
+    let (max, key) = limit(&cfg);
+    let body = axum::body::to_bytes(body, max).await.map_err(|_| {
+        error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            Some("body"),
+            format!("body: larger than {max} bytes (limits.{key})"),
+        )
+    })?;
+    Ok((t, cfg, body))
+}
+
+/// The tenant and the `tokens` of a JSON KV-cache API call.
+async fn kv_body(
+    s: &AppState,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<(Tenant, Vec<u32>), Response> {
+    let (t, _, body) = kv_prelude(s, headers, body, |c| {
+        (c.limits.max_body_bytes, "max_body_bytes")
+    })
+    .await?;
     let m = parse_json(&body)?;
     let v = m
         .get("tokens")
@@ -664,6 +686,43 @@ async fn kv_body(
         return Err(bad("tokens", "empty".into()));
     }
     Ok((t, tokens))
+}
+
+/// The model fingerprint in hex, as the KV-cache API reports it.
+pub fn fingerprint_hex(tiers: &kvstack_tiers::Tiers) -> String {
+    tiers.model().0.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The status and message of a tiers error met by the KV-cache API: the caller's data is at
+/// fault (400, naming the block), the store is full (507), or the server failed (500).
+fn tiers_error(what: &str, e: &kvstack_tiers::Error) -> Response {
+    use kvstack_tiers::Error as E;
+    match e {
+        E::Payload { block, .. } => bad(&format!("blocks[{block}]"), e.to_string()),
+        E::UnitRange { .. } => bad("tokens", e.to_string()),
+        E::StoreFull { .. } => error(
+            StatusCode::INSUFFICIENT_STORAGE,
+            None,
+            format!("{what} failed: {e}"),
+        ),
+        _ => error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            None,
+            format!("{what} failed: {}", error_chain(e)),
+        ),
+    }
+}
+
+/// `e` and its sources, as one line.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        src = c.source();
+    }
+    s
 }
 
 /// The tiers for a KV-cache API call, or 503 (not open yet, or closing).
@@ -747,6 +806,191 @@ async fn kv_delete(State(s): St, headers: HeaderMap, body: Body) -> Response {
             StatusCode::INTERNAL_SERVER_ERROR,
             None,
             format!("delete failed: {e}"),
+        ),
+    }
+}
+
+/// `POST /v1/kv/get`: the longest cached prefix of `tokens` as a frame (`docs/kv-protocol.md`):
+/// its blocks, read and checked under a read lease, and the window snapshot when the DRAM
+/// pool holds one at its end. 404 when nothing is cached.
+async fn kv_get(State(s): St, headers: HeaderMap, body: Body) -> Response {
+    let (t, tokens) = match kv_body(&s, &headers, body).await {
+        Ok(x) => x,
+        Err(r) => return r,
+    };
+    let tiers = match shared_tiers(&s) {
+        Ok(t) => t,
+        Err(r) => return r,
+    };
+    let st = Arc::clone(&s);
+    let r = tokio::task::spawn_blocking(move || {
+        let tenant = kvstack_tiers::Tenant::new(&t.name);
+        let label = TenantLabel {
+            tenant: t.name.clone(),
+        };
+        st.metrics.kv_lookups.get_or_create(&label).inc();
+        let hit = tiers.lookup(&tokens, &tenant);
+        if hit.tokens == 0 {
+            return Ok(None);
+        }
+        // `None`: evicted or damaged since the lookup; a miss, never partial bytes.
+        let Some(data) = tiers.read_unit(&tokens, &hit)? else {
+            return Ok(None);
+        };
+        st.metrics.kv_hits.get_or_create(&label).inc();
+        let frame = crate::frame::encode(
+            data.tokens,
+            tiers.geometry().page_tokens as u32,
+            Some(fingerprint_hex(&tiers)),
+            &[],
+            &data.blocks,
+            data.window.as_deref(),
+        );
+        st.metrics.kv_bytes_read.inc_by(frame.len() as u64);
+        Ok::<_, kvstack_tiers::Error>(Some((data.tokens, frame)))
+    })
+    .await;
+    match r {
+        Ok(Ok(Some((n, frame)))) => {
+            let mut resp =
+                ([(header::CONTENT_TYPE, "application/octet-stream")], frame).into_response();
+            resp.headers_mut()
+                .insert("x-kvstack-tokens", HeaderValue::from(n));
+            resp
+        }
+        Ok(Ok(None)) => error(
+            StatusCode::NOT_FOUND,
+            Some("tokens"),
+            "no cached prefix of these tokens for this tenant".into(),
+        ),
+        Ok(Err(e)) => tiers_error("get", &e),
+        Err(e) => error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            None,
+            format!("get failed: {e}"),
+        ),
+    }
+}
+
+/// `POST /v1/kv/put[?durable=true]`: stores the unit a frame carries for the caller's tenant.
+/// Everything is checked before anything is stored (the frame, the token ids, the page size,
+/// the model, each block's size for its tokens, the window snapshot). With `durable=true`
+/// the answer (200) comes once the unit is on the SSD; otherwise 202 once it is queued.
+async fn kv_put(
+    State(s): St,
+    headers: HeaderMap,
+    Query(q): Query<std::collections::HashMap<String, String>>,
+    body: Body,
+) -> Response {
+    let durable = match q.get("durable").map(String::as_str) {
+        None | Some("false") | Some("0") => false,
+        Some("true") | Some("1") => true,
+        Some(v) => return bad("durable", format!("{v:?}: expected true or false")),
+    };
+    if let Some(k) = q.keys().find(|k| k.as_str() != "durable") {
+        return bad(k, "unknown query parameter".into());
+    }
+    let (t, cfg, body) = match kv_prelude(&s, &headers, body, |c| {
+        (c.limits.max_kv_body_bytes, "max_kv_body_bytes")
+    })
+    .await
+    {
+        Ok(x) => x,
+        Err(r) => return r,
+    };
+    let tiers = match shared_tiers(&s) {
+        Ok(t) => t,
+        Err(r) => return r,
+    };
+    let vocab = s.vocab;
+    let st = Arc::clone(&s);
+    let r = tokio::task::spawn_blocking(move || -> Result<Value, Response> {
+        let frame = crate::frame::decode(&body).map_err(|e| match &e {
+            crate::Error::Frame { field, .. } => bad(field, e.to_string()),
+            _ => bad("body", e.to_string()),
+        })?;
+        let h = &frame.header;
+        if h.token_ids != h.tokens {
+            return Err(bad(
+                "token_ids",
+                format!(
+                    "{} token ids for a unit of {} tokens (put carries the unit's tokens)",
+                    h.token_ids, h.tokens
+                ),
+            ));
+        }
+        if h.tokens > cfg.engine.context_limit {
+            return Err(bad(
+                "tokens",
+                format!(
+                    "{} tokens, more than the context limit {} (engine.context_limit)",
+                    h.tokens, cfg.engine.context_limit
+                ),
+            ));
+        }
+        if let Some(i) = frame.token_ids.iter().position(|&id| id >= vocab) {
+            return Err(bad(
+                &format!("token_ids[{i}]"),
+                format!(
+                    "{} is outside the vocabulary of {vocab}",
+                    frame.token_ids[i]
+                ),
+            ));
+        }
+        let page = tiers.geometry().page_tokens as u32;
+        if h.page_tokens != page {
+            return Err(bad(
+                "page_tokens",
+                format!(
+                    "{}, this server stores pages of {page} tokens",
+                    h.page_tokens
+                ),
+            ));
+        }
+        if let Some(m) = &h.model {
+            let ours = fingerprint_hex(&tiers);
+            if !m.eq_ignore_ascii_case(&ours) {
+                return Err(bad(
+                    "model",
+                    format!("fingerprint {m} is not this server's model ({ours})"),
+                ));
+            }
+        }
+        let data = kvstack_tiers::UnitData {
+            tokens: h.tokens,
+            blocks: frame.blocks,
+            window: frame.window,
+        };
+        let tenant = kvstack_tiers::Tenant::new(&t.name);
+        let ticket = tiers
+            .write_unit(&tenant, &frame.token_ids, &data)
+            .map_err(|e| tiers_error("put", &e))?;
+        st.metrics.kv_bytes_written.inc_by(body.len() as u64);
+        if durable {
+            ticket.wait().map_err(|e| tiers_error("put", &e))?;
+        }
+        Ok(json!({
+            "tokens": data.tokens,
+            "blocks": data.blocks.len(),
+            "window": data.window.is_some(),
+            "durable": durable,
+        }))
+    })
+    .await;
+    match r {
+        Ok(Ok(v)) => {
+            let status = if durable {
+                StatusCode::OK
+            } else {
+                StatusCode::ACCEPTED
+            };
+            (status, axum::Json(v)).into_response()
+        }
+        Ok(Err(resp)) => resp,
+        Err(e) => error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            None,
+            format!("put failed: {e}"),
         ),
     }
 }

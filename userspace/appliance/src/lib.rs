@@ -12,6 +12,7 @@
 
 pub mod config;
 mod error;
+pub mod frame;
 pub mod http;
 pub mod metrics;
 pub mod worker;

@@ -74,6 +74,18 @@ impl Daemon {
         key: Option<&str>,
         body: &str,
     ) -> std::io::Result<(u16, String)> {
+        let (st, b) = self.try_req_bytes(method, path, key, "application/json", body.as_bytes())?;
+        Ok((st, String::from_utf8_lossy(&b).into_owned()))
+    }
+
+    fn try_req_bytes(
+        &self,
+        method: &str,
+        path: &str,
+        key: Option<&str>,
+        content_type: &str,
+        body: &[u8],
+    ) -> std::io::Result<(u16, Vec<u8>)> {
         let mut s = UnixStream::connect(&self.sock)?;
         s.set_read_timeout(Some(Duration::from_secs(60)))?;
         let auth = key
@@ -81,18 +93,31 @@ impl Daemon {
             .unwrap_or_default();
         write!(
             s,
-            "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n{auth}Content-Type: {content_type}\r\nContent-Length: {}\r\n\r\n",
             body.len()
         )?;
+        // A server may answer (400, 413) before reading the whole body and close: its
+        // answer is still there to read.
+        match s.write_all(body) {
+            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {}
+            r => r?,
+        }
         let mut out = Vec::new();
         s.read_to_end(&mut out)?;
-        let text = String::from_utf8_lossy(&out).into_owned();
-        let status = text.get(9..12).and_then(|s| s.parse().ok()).unwrap_or(0);
-        let body = text
-            .split_once("\r\n\r\n")
-            .map(|x| x.1.to_string())
-            .unwrap_or_default();
-        Ok((status, body))
+        let status = std::str::from_utf8(out.get(9..12).unwrap_or_default())
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0);
+        let split = out
+            .windows(4)
+            .position(|w| w == b"\r\n\r\n")
+            .map_or(out.len(), |p| p + 4);
+        Ok((status, out[split..].to_vec()))
+    }
+
+    fn req_bytes(&self, path: &str, key: Option<&str>, body: &[u8]) -> (u16, Vec<u8>) {
+        self.try_req_bytes("POST", path, key, "application/octet-stream", body)
+            .unwrap()
     }
 
     fn req(&self, method: &str, path: &str, key: Option<&str>, body: &str) -> (u16, String) {
@@ -210,12 +235,7 @@ fn bad_requests_get_4xx_naming_the_field_and_tenants_are_isolated() {
     let dir = tempfile::tempdir().unwrap();
     let ka = "key-of-a";
     let kb = "key-of-b";
-    let cfg = format!(
-        "[[tenant]]\nname = \"a\"\napi_key_sha256 = \"{}\"\n[[tenant]]\nname = \"b\"\napi_key_sha256 = \"{}\"\n",
-        kvstack_appliance::config::key_digest_hex(ka),
-        kvstack_appliance::config::key_digest_hex(kb)
-    );
-    let d = Daemon::start(dir.path(), &cfg);
+    let d = Daemon::start(dir.path(), &two_tenants(ka, kb));
     let ok = r#"{"prompt": [1, 2, 3], "max_tokens": 1}"#;
     assert_eq!(d.req("POST", "/v1/completions", None, ok).0, 401);
     assert_eq!(d.req("POST", "/v1/completions", Some("wrong"), ok).0, 401);
@@ -381,4 +401,146 @@ fn systemd_units_verify() {
     // Lines about the host's own units (not ours) are not this test's business.
     let ours: Vec<&str> = err.lines().filter(|l| l.contains("kvstackd")).collect();
     assert!(out.status.success() && ours.is_empty(), "{err}");
+}
+
+/// Tenants a and b with their keys, as config text.
+fn two_tenants(ka: &str, kb: &str) -> String {
+    format!(
+        "[[tenant]]\nname = \"a\"\napi_key_sha256 = \"{}\"\n[[tenant]]\nname = \"b\"\napi_key_sha256 = \"{}\"\n",
+        kvstack_appliance::config::key_digest_hex(ka),
+        kvstack_appliance::config::key_digest_hex(kb)
+    )
+}
+
+/// Waits until `key`'s tenant has a durable prefix of `tokens`; returns its length.
+fn wait_durable(d: &Daemon, key: Option<&str>, tokens: &[u32]) -> u64 {
+    let lookup = serde_json::json!({"tokens": tokens}).to_string();
+    let t0 = Instant::now();
+    loop {
+        let n = d.json("/v1/kv/lookup", key, &lookup)["tokens"]
+            .as_u64()
+            .unwrap();
+        if n > 0 {
+            return n;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the unit never became durable"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn kv_get_and_put_carry_units_in_the_stored_format_and_refuse_damage() {
+    use kvstack_appliance::frame;
+    let dir = tempfile::tempdir().unwrap();
+    let (ka, kb) = ("key-of-a", "key-of-b");
+    let d = Daemon::start(dir.path(), &two_tenants(ka, kb));
+    let prompt: Vec<u32> = (0..300).map(|i| (i * 13 + 5) % 250).collect();
+    let req = serde_json::json!({"prompt": prompt, "max_tokens": 1, "temperature": 0}).to_string();
+    d.json("/v1/completions", Some(ka), &req);
+    let n = wait_durable(&d, Some(ka), &prompt);
+    let get = serde_json::json!({"tokens": prompt}).to_string();
+
+    // Tenant a's unit, in the stored byte format.
+    let (st, body) = d.req_bytes("/v1/kv/get", Some(ka), get.as_bytes());
+    assert_eq!(st, 200, "{}", String::from_utf8_lossy(&body));
+    let f = frame::decode(&body).unwrap();
+    assert_eq!(f.header.tokens, n);
+    assert!(f.token_ids.is_empty());
+    let page = f.header.page_tokens as u64;
+    assert_eq!(f.blocks.len() as u64, n.div_ceil(page));
+    let model = f.header.model.clone().unwrap();
+    // Nothing of a's reaches b.
+    let (st, b) = d.req_bytes("/v1/kv/get", Some(kb), get.as_bytes());
+    assert_eq!(st, 404, "{}", String::from_utf8_lossy(&b));
+
+    // Damaged or inconsistent puts (for tokens b has nothing of): each is refused naming
+    // what is wrong, and nothing is stored.
+    let mut other = prompt[..n as usize].to_vec();
+    other[0] = 249 - other[0];
+    let enc = |ids: &[u32], blocks: &[Vec<u8>], page: u32, model: &str| {
+        frame::encode(
+            n,
+            page,
+            Some(model.to_string()),
+            ids,
+            blocks,
+            f.window.as_deref(),
+        )
+    };
+    let good = enc(&other, &f.blocks, page as u32, &model);
+    let mut flipped = good.clone();
+    let at = flipped.len() - f.window.as_ref().map_or(0, Vec::len) - 7;
+    flipped[at] ^= 0x10;
+    let mut short = f.blocks.clone();
+    short[0].pop();
+    let mut oov = other.clone();
+    oov[3] = 99_999;
+    let cases: Vec<(Vec<u8>, &str, &str)> = vec![
+        (flipped, "", "crc32c["),
+        (good[..good.len() - 1].to_vec(), "", "window"),
+        (b"KVSX".to_vec(), "", "frame"),
+        (enc(&other, &short, page as u32, &model), "", "blocks[0]"),
+        (
+            enc(&other, &f.blocks, page as u32 + 1, &model),
+            "",
+            "page_tokens",
+        ),
+        (
+            enc(&oov, &f.blocks, page as u32, &model),
+            "",
+            "token_ids[3]",
+        ),
+        (
+            enc(&other[1..], &f.blocks, page as u32, &model),
+            "",
+            "token_ids",
+        ),
+        (enc(&other, &f.blocks, page as u32, "00ff"), "", "model"),
+        (good.clone(), "?durable=maybe", "durable"),
+    ];
+    for (body, query, field) in &cases {
+        let (st, b) = d.req_bytes(&format!("/v1/kv/put{query}"), Some(kb), body);
+        let b = String::from_utf8_lossy(&b);
+        assert_eq!(st, 400, "{field}: {b}");
+        assert!(b.contains(field), "{field}: {b}");
+    }
+    let lookup_other = serde_json::json!({"tokens": other}).to_string();
+    assert_eq!(
+        d.json("/v1/kv/lookup", Some(kb), &lookup_other)["tokens"],
+        0
+    );
+
+    // b stores a's unit under the same tokens, durably: b's get returns the same bytes and
+    // b's completions reuse it.
+    let put = enc(&prompt[..n as usize], &f.blocks, page as u32, &model);
+    let (st, b) = d.req_bytes("/v1/kv/put?durable=true", Some(kb), &put);
+    assert_eq!(st, 200, "{}", String::from_utf8_lossy(&b));
+    let ack: serde_json::Value = serde_json::from_slice(&b).unwrap();
+    assert_eq!(ack["durable"], true);
+    assert_eq!(ack["tokens"], n);
+    let (st, body_b) = d.req_bytes("/v1/kv/get", Some(kb), get.as_bytes());
+    assert_eq!(st, 200);
+    let fb = frame::decode(&body_b).unwrap();
+    assert_eq!(fb.blocks, f.blocks, "b's copy differs from what it put");
+    assert_eq!(fb.window, f.window);
+    let c = d.json("/v1/completions", Some(kb), &req);
+    assert!(
+        c["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+            > 0,
+        "{c}"
+    );
+    let (_, m) = d.req("GET", "/metrics", None, "");
+    let written = m
+        .lines()
+        .find(|l| l.starts_with("kvstack_kv_written_bytes_total"))
+        .and_then(|l| l.split_whitespace().last())
+        .and_then(|v| v.parse::<f64>().ok())
+        .unwrap_or(0.0);
+    assert_eq!(written as usize, put.len(), "{m}");
+    assert_eq!(d.stop(), 0);
 }
