@@ -68,7 +68,32 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/kv/get", post(kv_get))
         .route("/v1/kv/put", post(kv_put))
         .fallback(|| async { error(StatusCode::NOT_FOUND, None, "no such route".into()) })
+        // A panic in a handler fails that request alone (500) instead of dropping the
+        // connection without an answer; the engine thread is not a handler (its failure
+        // stops the daemon non-zero, for systemd to restart it).
+        .layer(guard())
         .with_state(state)
+}
+
+/// The layer that turns a handler's panic into a 500 for that request.
+fn guard() -> tower_http::catch_panic::CatchPanicLayer<fn(Box<dyn std::any::Any + Send>) -> Response>
+{
+    tower_http::catch_panic::CatchPanicLayer::custom(panicked as fn(_) -> Response)
+}
+
+/// The answer to a request whose handler panicked.
+fn panicked(payload: Box<dyn std::any::Any + Send + 'static>) -> Response {
+    let what = payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic".into());
+    log::error!("a request handler panicked: {what}");
+    error(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        None,
+        "internal error: this request failed (the daemon's log has the cause)".into(),
+    )
 }
 
 /// An OpenAI-style error body.
@@ -992,5 +1017,30 @@ async fn kv_put(
             None,
             format!("put failed: {e}"),
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tower::ServiceExt;
+
+    async fn boom() -> &'static str {
+        panic!("test panic")
+    }
+
+    #[tokio::test]
+    async fn a_panicking_handler_fails_its_request_only() {
+        let app: Router = Router::new()
+            .route("/boom", get(boom))
+            .route("/fine", get(|| async { "ok" }))
+            .layer(guard());
+        let req = |p: &str| axum::http::Request::get(p).body(Body::empty()).unwrap();
+        let r = app.clone().oneshot(req("/boom")).await.unwrap();
+        assert_eq!(r.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        let body = axum::body::to_bytes(r.into_body(), 1 << 16).await.unwrap();
+        assert!(String::from_utf8_lossy(&body).contains("internal error"));
+        let r = app.oneshot(req("/fine")).await.unwrap();
+        assert_eq!(r.status(), StatusCode::OK);
     }
 }

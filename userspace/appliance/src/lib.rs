@@ -6,11 +6,14 @@
 //! - [`http`]: completions (JSON and server-sent events), models, the KV-cache API, metrics,
 //!   health and readiness;
 //! - [`metrics`]: the Prometheus registry;
+//! - [`frame`]: the binary framing of the KV-cache API's units (`docs/kv-protocol.md`);
+//! - `conn`: accept loops bounded by `limits.max_connections` and `limits.max_header_bytes`;
 //! - [`serve`]: sockets (bound, or passed by systemd socket activation), `sd_notify`
 //!   (READY after recovery, STATUS, EXTEND_TIMEOUT_USEC during recovery, WATCHDOG from the
 //!   engine loop), SIGTERM drain and SIGHUP reload.
 
 pub mod config;
+mod conn;
 mod error;
 pub mod frame;
 pub mod http;
@@ -212,6 +215,7 @@ async fn serve_async(cfg: Config, config_path: Option<PathBuf>) -> Result<()> {
         _ => None,
     };
     let idle = Duration::from_millis(cfg.engine.session_idle_ms);
+    let max_sessions = cfg.engine.max_sessions;
     let watchdog = watchdog_interval();
     notify(&[NotifyState::Status(&format!(
         "recovering the SSD store in {}",
@@ -239,7 +243,8 @@ async fn serve_async(cfg: Config, config_path: Option<PathBuf>) -> Result<()> {
             );
             wshared.ready.store(true, Ordering::Release);
             let _ = opened_tx.send(vocab);
-            worker::run(svc, rx, wshared, wmetrics, idle, watchdog).map_err(Error::from)
+            worker::run(svc, rx, wshared, wmetrics, idle, max_sessions, watchdog)
+                .map_err(Error::from)
         })
         .map_err(|e| Error::Io {
             what: "starting the engine thread".into(),
@@ -275,25 +280,26 @@ async fn serve_async(cfg: Config, config_path: Option<PathBuf>) -> Result<()> {
     });
     let app = http::router(Arc::clone(&state));
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let limits = conn::ConnLimits {
+        slots: Arc::new(tokio::sync::Semaphore::new(cfg.limits.max_connections)),
+        max_header_bytes: cfg.limits.max_header_bytes,
+    };
     let mut servers = Vec::new();
     let mut socket_files = Vec::new();
     for s in socks {
-        let mut rx = stop_rx.clone();
-        let app = app.clone();
-        let shutdown = async move {
-            let _ = rx.wait_for(|v| *v).await;
-        };
-        match s {
+        let listener = match s {
             Socket::Unix(l, path) => {
                 socket_files.extend(path);
-                servers.push(tokio::spawn(async move {
-                    axum::serve(l, app).with_graceful_shutdown(shutdown).await
-                }));
+                conn::Listener::Unix(l)
             }
-            Socket::Tcp(l) => servers.push(tokio::spawn(async move {
-                axum::serve(l, app).with_graceful_shutdown(shutdown).await
-            })),
-        }
+            Socket::Tcp(l) => conn::Listener::Tcp(l),
+        };
+        servers.push(tokio::spawn(conn::serve(
+            listener,
+            app.clone(),
+            limits.clone(),
+            stop_rx.clone(),
+        )));
     }
     notify(&[NotifyState::Ready, NotifyState::Status("serving")]);
     log::info!("ready");
@@ -338,7 +344,7 @@ async fn serve_async(cfg: Config, config_path: Option<PathBuf>) -> Result<()> {
     drop(tx);
     drop(state);
     for s in servers {
-        let _ = tokio::time::timeout(Duration::from_secs(2), s).await;
+        let _ = tokio::time::timeout(Duration::from_secs(3), s).await;
     }
     for p in socket_files {
         let _ = std::fs::remove_file(p);

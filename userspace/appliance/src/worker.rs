@@ -117,6 +117,7 @@ pub fn run(
     shared: Arc<Shared>,
     metrics: Arc<Metrics>,
     session_idle: Duration,
+    max_sessions: usize,
     watchdog: Option<Duration>,
 ) -> kvstack_engine::Result<()> {
     let mut active: HashMap<RequestId, Active> = HashMap::new();
@@ -149,7 +150,14 @@ pub fn run(
             };
             match cmd {
                 Command::Shutdown => shutdown = true,
-                Command::Job(job) => admit(&mut svc, *job, &mut active, &mut named, &shared),
+                Command::Job(job) => admit(
+                    &mut svc,
+                    *job,
+                    &mut active,
+                    &mut named,
+                    max_sessions,
+                    &shared,
+                ),
             }
         }
         if shutdown {
@@ -243,6 +251,7 @@ fn admit(
     job: Job,
     active: &mut HashMap<RequestId, Active>,
     named: &mut HashMap<(String, String), Named>,
+    max_sessions: usize,
     shared: &Shared,
 ) {
     let fail = |job: &Job, status: u16, message: String| {
@@ -267,6 +276,32 @@ fn admit(
                 n.id
             }
             None => {
+                // At `engine.max_sessions`, the least recently used idle session makes room
+                // (its units stay in the tiers, so its next turn still finds its prefix);
+                // with every session busy, the request waits for a later try.
+                if named.len() >= max_sessions {
+                    let lru = named
+                        .iter()
+                        .filter(|(_, n)| !n.busy)
+                        .min_by_key(|(_, n)| n.last_used)
+                        .map(|(k, n)| (k.clone(), n.id));
+                    match lru {
+                        Some((k, id)) => {
+                            named.remove(&k);
+                            let _ = svc.close_session(id);
+                        }
+                        None => {
+                            return fail(
+                                &job,
+                                429,
+                                format!(
+                                    "{} named sessions are busy (engine.max_sessions)",
+                                    named.len()
+                                ),
+                            );
+                        }
+                    }
+                }
                 let id = svc.open_session(&job.tenant);
                 named.insert(
                     k.clone(),

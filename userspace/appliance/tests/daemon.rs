@@ -544,3 +544,71 @@ fn kv_get_and_put_carry_units_in_the_stored_format_and_refuse_damage() {
     assert_eq!(written as usize, put.len(), "{m}");
     assert_eq!(d.stop(), 0);
 }
+
+#[test]
+fn connection_and_header_limits_hold() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(
+        dir.path(),
+        // (These lines land in the base config's [engine] table, then [limits].)
+        "max_sessions = 2\n[limits]\nmax_connections = 2\nmax_header_bytes = 8192\n",
+    );
+    // At engine.max_sessions, a new named session closes the least recently used idle one:
+    // s2 keeps its live context, s1's next turn starts afresh (its prefix then comes from
+    // the caches, not from a live session).
+    let turn = |name: &str| {
+        let req = serde_json::json!({"prompt": [1, 2, 3, 4], "max_tokens": 1, "session": name})
+            .to_string();
+        d.json("/v1/completions", None, &req)["usage"]["kvstack"]["live_tokens"]
+            .as_u64()
+            .unwrap()
+    };
+    for name in ["s1", "s2", "s3"] {
+        assert_eq!(turn(name), 0, "{name} is new");
+    }
+    assert!(turn("s2") > 0, "s2 was closed although s1 was idle longer");
+    assert_eq!(turn("s1"), 0, "s1 is still live beyond engine.max_sessions");
+    // A request head above the limit: 431, and the daemon serves the next request.
+    let mut s = UnixStream::connect(&d.sock).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let big = "x".repeat(20_000);
+    let _ = write!(
+        s,
+        "GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: {big}\r\nConnection: close\r\n\r\n"
+    );
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    let head = String::from_utf8_lossy(&out);
+    assert!(head.starts_with("HTTP/1.1 431"), "{head}");
+    assert_eq!(d.req("GET", "/healthz", None, "").0, 200);
+
+    // Two idle connections hold both slots: a third client waits until one closes.
+    let a = UnixStream::connect(&d.sock).unwrap();
+    let b = UnixStream::connect(&d.sock).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let mut c = UnixStream::connect(&d.sock).unwrap();
+    write!(
+        c,
+        "GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    c.set_read_timeout(Some(Duration::from_millis(700)))
+        .unwrap();
+    let mut buf = [0u8; 64];
+    let waited = c.read(&mut buf);
+    assert!(
+        matches!(&waited, Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut)),
+        "served beyond max_connections: {waited:?}"
+    );
+    drop(a);
+    c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let mut out = Vec::new();
+    c.read_to_end(&mut out).unwrap();
+    assert!(
+        String::from_utf8_lossy(&out).starts_with("HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&out)
+    );
+    drop(b);
+    assert_eq!(d.stop(), 0);
+}
