@@ -678,6 +678,13 @@ async fn kv_prelude(
             "recovering the SSD store".into(),
         ));
     }
+    if s.draining.load(Ordering::Acquire) {
+        return Err(error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            None,
+            "draining".into(),
+        ));
+    }
     let (max, key) = limit(&cfg);
     let body = axum::body::to_bytes(body, max).await.map_err(|_| {
         error(
@@ -993,6 +1000,21 @@ async fn kv_put(
         st.metrics.kv_bytes_written.inc_by(body.len() as u64);
         if durable {
             ticket.wait().map_err(|e| tiers_error("put", &e))?;
+        } else {
+            // Answered before the write: a write that fails later (a full store, an I/O
+            // error) is logged and counted, never silent.
+            let st = Arc::clone(&st);
+            let tenant = t.name.clone();
+            let tokens = data.tokens;
+            tokio::task::spawn_blocking(move || {
+                if let Err(e) = ticket.wait() {
+                    st.metrics.kv_put_failures.inc();
+                    log::warn!(
+                        "a put of {tokens} tokens for tenant {tenant}, answered 202, was not stored: {}",
+                        error_chain(&e)
+                    );
+                }
+            });
         }
         Ok(json!({
             "tokens": data.tokens,

@@ -69,6 +69,8 @@ pub struct Metrics {
     pub kv_bytes_read: Counter,
     /// KV-cache API bytes written.
     pub kv_bytes_written: Counter,
+    /// Puts answered 202 (not durable) whose write failed afterwards.
+    pub kv_put_failures: Counter,
     pool_bytes: Gauge,
     pool_entries: Gauge,
     pool_expired: Gauge,
@@ -111,6 +113,7 @@ impl Metrics {
             kv_hits: Family::default(),
             kv_bytes_read: Counter::default(),
             kv_bytes_written: Counter::default(),
+            kv_put_failures: Counter::default(),
             pool_bytes: Gauge::default(),
             pool_entries: Gauge::default(),
             pool_expired: Gauge::default(),
@@ -180,6 +183,11 @@ impl Metrics {
             "kv_written_bytes",
             "KV-cache API bytes written",
             m.kv_bytes_written.clone(),
+        );
+        r.register(
+            "kv_put_failures",
+            "KV-cache API puts answered 202 (not durable) whose write failed afterwards",
+            m.kv_put_failures.clone(),
         );
         r.register(
             "dram_pool_bytes",
