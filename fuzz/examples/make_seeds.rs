@@ -248,6 +248,48 @@ fn entry_seeds(out: &Path) {
     }
 }
 
+/// kvstackd's parsers: unit frames (byte 0 even) and config files (byte 0 odd).
+fn appliance_seeds(out: &Path) {
+    use kvstack_appliance::frame;
+    let target = out.join("appliance_parse");
+    let blocks = vec![vec![0x11u8; 96], vec![0x22u8; 40]];
+    let window = vec![0x33u8; 64];
+    for (name, ids, w) in [
+        ("frame-get", &[][..], None),
+        ("frame-put", &[1u32, 2, 3, 4, 5][..], None),
+        (
+            "frame-put-window",
+            &[1u32, 2, 3, 4, 5][..],
+            Some(window.as_slice()),
+        ),
+    ] {
+        let mut input = vec![0u8];
+        input.extend(frame::encode(5, 4, Some("00ff".into()), ids, &blocks, w));
+        write(&target, &format!("seed-{name}"), &input);
+    }
+    let configs = [
+        ("config-empty", String::new()),
+        (
+            "config-full",
+            format!(
+                "data_dir = \"/var/lib/kvstack\"\nlisten = [\"unix:/run/kvstack/kvstackd.sock\", \"tcp:127.0.0.1:8080\"]\n\
+                 [engine]\nthreads = 2\nchunk = 256\nqueue_depth = 64\nmax_sessions = 16\ncontext_limit = 8192\n\
+                 [limits]\nmax_body_bytes = 1048576\nmax_header_bytes = 16384\nmax_prompt_tokens = 4096\nmax_connections = 32\n\
+                 [window_pool]\ncapacity_bytes = 67108864\nttl_ms = 60000\n[ssd]\nretention_hours = 24\n\
+                 [[tenant]]\nname = \"a\"\napi_key_sha256 = \"{}\"\nmax_concurrent = 4\n\
+                 [[tenant]]\nname = \"b\"\napi_key_sha256 = \"{}\"\nmax_prompt_tokens = 100\n",
+                kvstack_appliance::config::key_digest_hex("a"),
+                kvstack_appliance::config::key_digest_hex("b")
+            ),
+        ),
+    ];
+    for (name, text) in configs {
+        let mut input = vec![1u8];
+        input.extend_from_slice(text.as_bytes());
+        write(&target, &format!("seed-{name}"), &input);
+    }
+}
+
 fn main() {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     let out = std::env::args_os()
@@ -259,4 +301,5 @@ fn main() {
     config_seeds(&out, &testdata);
     safetensors_seeds(&out);
     entry_seeds(&out);
+    appliance_seeds(&out);
 }

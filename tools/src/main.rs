@@ -7,6 +7,7 @@
 mod bench;
 mod bench_attention;
 mod bench_runtime;
+mod bench_serve;
 mod bench_tiers;
 mod calc;
 mod codec;
@@ -166,6 +167,10 @@ enum BenchWhich {
     /// count, time to first token of a 32,768-token prompt with its prefix cached (window in
     /// DRAM, and window replayed) vs computed from scratch in the same run, CED vs exact.
     Runtime(bench_runtime::RuntimeArgs),
+    /// kvstackd under N concurrent streaming clients over its Unix socket against the same
+    /// workload through the engine in-process in the same run: tokens/s ratio (target >= 0.9),
+    /// TTFT p50/p99 split into queueing and service, errors, peak RSS, DRAM pool bytes.
+    Serve(bench_serve::ServeArgs),
 }
 
 fn run(cli: Cli) -> Result<(), CliError> {
@@ -201,6 +206,9 @@ fn run(cli: Cli) -> Result<(), CliError> {
         Command::Bench {
             which: BenchWhich::Runtime(args),
         } => bench_runtime::run(&args),
+        Command::Bench {
+            which: BenchWhich::Serve(args),
+        } => bench_serve::run(&args),
         Command::Store { op } => store::run(&op),
         Command::Profile { op } => profile::run(&op),
     }

@@ -13,6 +13,8 @@
 //! - [`tiers`]: the SSD store and the DRAM window pool against fio (`kvstack bench tiers`).
 //! - [`profile`]: replays of request traces through the real SSD store, DRAM window pool and
 //!   paged cache, with a prefill cost model, reports and plots (`kvstack profile`).
+//! - [`serve`]: kvstackd under concurrent streaming clients against the engine in-process
+//!   (`kvstack bench serve`).
 //! - [`runtime`]: the engine's tokens/s and time to first token of a cached prompt against
 //!   the same prompt from scratch (`kvstack bench runtime`).
 //!
@@ -27,6 +29,7 @@ pub mod footprint;
 pub mod profile;
 mod rng;
 pub mod runtime;
+pub mod serve;
 mod synth;
 pub mod tiers;
 

@@ -201,8 +201,15 @@ pub fn decode(body: &[u8]) -> Result<Frame> {
             ),
         ));
     }
-    if window_flag && header.window_crc32c.is_none() {
-        return Err(bad("window_crc32c", "missing while a window is present"));
+    if window_flag != header.window_crc32c.is_some() {
+        return Err(bad(
+            "window_crc32c",
+            if window_flag {
+                "missing while a window is present"
+            } else {
+                "given without a window"
+            },
+        ));
     }
     let ids_bytes = header
         .token_ids
@@ -329,6 +336,19 @@ mod tests {
         for n in 0..good.len() {
             assert!(decode(&good[..n]).is_err(), "prefix of {n} bytes accepted");
         }
+    }
+
+    #[test]
+    fn a_window_crc_without_a_window_is_refused() {
+        // Decoding must be canonical: what decodes re-encodes to the same frame.
+        let json = br#"{"tokens":1,"token_ids":0,"page_tokens":4,"blocks":[],"crc32c":[],"window_crc32c":7}"#;
+        let mut b = Vec::new();
+        b.extend_from_slice(&MAGIC);
+        b.extend_from_slice(&VERSION.to_le_bytes());
+        b.extend_from_slice(&0u16.to_le_bytes());
+        b.extend_from_slice(&(json.len() as u32).to_le_bytes());
+        b.extend_from_slice(json);
+        assert_eq!(field_of(decode(&b).unwrap_err()), "window_crc32c");
     }
 
     #[test]

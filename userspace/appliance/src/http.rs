@@ -278,6 +278,7 @@ impl Drop for TenantSlot {
 }
 
 async fn completions(State(s): St, headers: HeaderMap, body: Body) -> Response {
+    let arrived = Instant::now();
     let (t, cfg) = match tenant(&s, &headers) {
         Ok(x) => x,
         Err(r) => return r,
@@ -470,6 +471,7 @@ async fn completions(State(s): St, headers: HeaderMap, body: Body) -> Response {
         stop,
         tokenizer: s.tokenizer,
         deadline: Instant::now() + Duration::from_millis(limits.request_timeout_ms),
+        arrived,
         events: tx,
     };
     match s.jobs.try_send(Command::Job(Box::new(job))) {
@@ -563,6 +565,7 @@ fn usage(prompt_tokens: u64, d: &JobDone) -> Value {
             "replayed_tokens": r.replayed_tokens,
             "computed_tokens": r.computed_tokens,
             "ttft_ms": d.ttft.as_secs_f64() * 1e3,
+            "ttft_queued_ms": d.ttft_queued.as_secs_f64() * 1e3,
             "total_ms": d.total.as_secs_f64() * 1e3,
         }
     })

@@ -138,7 +138,9 @@ fn sockets(cfg: &Config) -> Result<Vec<Socket>> {
     Ok(out)
 }
 
-fn service_options(cfg: &Config) -> ServiceOptions {
+/// The engine's options for `cfg`: what the daemon opens, and what an in-process comparison
+/// (`kvstack bench serve`) opens to run the same engine.
+pub fn service_options(cfg: &Config) -> ServiceOptions {
     let model = match &cfg.model {
         config::ModelChoice::Builtin { seed } => ModelSource::BuiltinTiny { seed: *seed },
         config::ModelChoice::Checkpoint { config, weights } => ModelSource::Checkpoint {

@@ -31,6 +31,8 @@ pub struct Job {
     pub tokenizer: Option<ByteLevel>,
     /// When the job must be done.
     pub deadline: Instant,
+    /// When the request arrived (its time in the engine thread's channel counts as queued).
+    pub arrived: Instant,
     /// Where its events go.
     pub events: UnboundedSender<JobEvent>,
 }
@@ -64,6 +66,8 @@ pub struct JobDone {
     pub reuse: Reuse,
     /// Arrival to first token.
     pub ttft: Duration,
+    /// Of `ttft`, the time queued (in the engine thread's channel, then in the engine).
+    pub ttft_queued: Duration,
     /// Arrival to the end.
     pub total: Duration,
 }
@@ -101,6 +105,8 @@ struct Active {
     got_first: bool,
     last_token: Instant,
     tenant: String,
+    /// Arrival to its submission to the engine (queued in the channel).
+    channel_wait: Duration,
 }
 
 struct Named {
@@ -333,6 +339,7 @@ fn admit(
                     got_first: false,
                     last_token: Instant::now(),
                     tenant: job.tenant,
+                    channel_wait: job.arrived.elapsed(),
                 },
             );
         }
@@ -393,7 +400,7 @@ fn route(
             if let Some(a) = active.get_mut(request) {
                 a.got_first = true;
                 shared.waiting.fetch_sub(1, Ordering::AcqRel);
-                metrics.ttft.observe(ttft.as_secs_f64());
+                metrics.ttft.observe((*ttft + a.channel_wait).as_secs_f64());
             }
             (*request, Some(*token))
         }
@@ -406,8 +413,9 @@ fn route(
                     finish_reason: "length",
                     context_tokens: c.context_tokens,
                     reuse: c.reuse,
-                    ttft: c.ttft,
-                    total: c.total,
+                    ttft: c.ttft + a.channel_wait,
+                    ttft_queued: c.ttft_queued + a.channel_wait,
+                    total: c.total + a.channel_wait,
                 })));
                 end_job(svc, &a, false, named, shared);
             }
@@ -449,8 +457,9 @@ fn route(
             finish_reason: "stop",
             context_tokens: c.context_tokens,
             reuse: c.reuse,
-            ttft: c.ttft,
-            total: c.total,
+            ttft: c.ttft + a.channel_wait,
+            ttft_queued: c.ttft_queued + a.channel_wait,
+            total: c.total + a.channel_wait,
         })));
         end_job(svc, &a, false, named, shared);
     }

@@ -118,6 +118,9 @@ pub struct Completion {
     pub reuse: Reuse,
     /// Submission to first token.
     pub ttft: Duration,
+    /// Of `ttft`, the time spent queued: before admission, and between its sequence being
+    /// ready and its first prefill step (the rest is service: lookup, restore, prefill).
+    pub ttft_queued: Duration,
     /// Submission to the last token.
     pub total: Duration,
     /// The logits the first token was sampled from, with
@@ -199,6 +202,8 @@ struct Request {
     ready: Option<Instant>,
     first_step: Option<Instant>,
     first_token: Option<Duration>,
+    /// Of the time to the first token, the time queued (see [`Completion::ttft_queued`]).
+    first_token_queued: Duration,
     first_logits: Option<Vec<f32>>,
     /// Units are persisted up to here.
     persisted: u64,
@@ -411,6 +416,7 @@ impl Engine {
                 ready: None,
                 first_step: None,
                 first_token: None,
+                first_token_queued: Duration::ZERO,
                 first_logits: None,
                 persisted: 0,
             },
@@ -849,10 +855,12 @@ impl Engine {
                         (Some(a), Some(b)) => b.saturating_duration_since(a),
                         _ => Duration::ZERO,
                     };
+                    let queued = (r.queued_admission + waited).min(ttft);
+                    r.first_token_queued = queued;
                     self.stats.record_ttft(TtftSample {
                         kind: r.reuse.kind,
                         total: ttft,
-                        queued: (r.queued_admission + waited).min(ttft),
+                        queued,
                     });
                     events.push(Event::FirstToken {
                         request: *id,
@@ -940,6 +948,7 @@ impl Engine {
             context_tokens: r.all.len() as u64,
             reuse: r.reuse,
             ttft: r.first_token.unwrap_or(total),
+            ttft_queued: r.first_token_queued,
             total,
             first_logits: r.first_logits,
         }));
