@@ -20,9 +20,9 @@ const RANKS: &[(&str, u32)] = &[
     ("kvstack-engine", 5),
     ("kvstack-appliance", 6),
     ("kvstack-capi", 6),
-    ("kvstack-bench", 6),
-    ("kvstack-tools", 7),
-    ("kvstack-tests", 8),
+    ("kvstack-bench", 7),
+    ("kvstack-tools", 8),
+    ("kvstack-tests", 9),
 ];
 
 fn rank(name: &str) -> Option<u32> {
