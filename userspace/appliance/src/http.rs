@@ -1,7 +1,7 @@
 //! The HTTP API: `/v1/completions` (JSON or server-sent events), `/v1/models`, the KV-cache
-//! API (`/v1/kv/lookup`, `/v1/kv/get`, `/v1/kv/put`, `/v1/kv/delete`; unit bodies in the
-//! binary framing of [`crate::frame`]), `/metrics`, `/healthz`, `/readyz`
-//! (`docs/appliance.md` has every route, field and status).
+//! API (`/v1/kv/lookup`, `/v1/kv/get`, `/v1/kv/put`, `/v1/kv/delete`, `/v1/kv/pin`,
+//! `/v1/kv/unpin`; unit bodies in the binary framing of [`crate::frame`]), `/metrics`,
+//! `/healthz`, `/readyz` (`docs/appliance.md` has every route, field and status).
 //!
 //! Request bodies are parsed by hand from JSON values so that every error names its field;
 //! the tenant comes from the `Authorization: Bearer KEY` header alone.
@@ -67,6 +67,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/kv/delete", post(kv_delete))
         .route("/v1/kv/get", post(kv_get))
         .route("/v1/kv/put", post(kv_put))
+        .route("/v1/kv/pin", post(kv_pin))
+        .route("/v1/kv/unpin", post(kv_unpin))
         .fallback(|| async { error(StatusCode::NOT_FOUND, None, "no such route".into()) })
         // A panic in a handler fails that request alone (500) instead of dropping the
         // connection without an answer; the engine thread is not a handler (its failure
@@ -705,7 +707,26 @@ async fn kv_body(
     headers: &HeaderMap,
     body: Body,
 ) -> Result<(Tenant, Vec<u32>), Response> {
-    let (t, _, body) = kv_prelude(s, headers, body, |c| {
+    kv_json(s, headers, body)
+        .await
+        .map(|(t, _, tokens, _)| (t, tokens))
+}
+
+/// The tenant, config, `tokens` and whole JSON object of a JSON KV-cache API call.
+async fn kv_json(
+    s: &AppState,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<
+    (
+        Tenant,
+        Arc<Config>,
+        Vec<u32>,
+        serde_json::Map<String, Value>,
+    ),
+    Response,
+> {
+    let (t, cfg, body) = kv_prelude(s, headers, body, |c| {
         (c.limits.max_body_bytes, "max_body_bytes")
     })
     .await?;
@@ -720,7 +741,7 @@ async fn kv_body(
     if tokens.is_empty() {
         return Err(bad("tokens", "empty".into()));
     }
-    Ok((t, tokens))
+    Ok((t, cfg, tokens, m))
 }
 
 /// The model fingerprint in hex, as the KV-cache API reports it.
@@ -841,6 +862,96 @@ async fn kv_delete(State(s): St, headers: HeaderMap, body: Body) -> Response {
             StatusCode::INTERNAL_SERVER_ERROR,
             None,
             format!("delete failed: {e}"),
+        ),
+    }
+}
+
+/// `POST /v1/kv/pin`: pins the longest cached prefix of `tokens` for `ttl_ms` (at most and by
+/// default `limits.max_pin_ttl_ms`): until then it is neither evicted from the SSD past its
+/// retention nor, when the DRAM pool holds its window snapshot, expired or evicted there
+/// (`docs/tiers.md`, "Pins"). 404 when nothing is cached; 429 when the pool has as many pins
+/// as it allows.
+async fn kv_pin(State(s): St, headers: HeaderMap, body: Body) -> Response {
+    let (t, cfg, tokens, m) = match kv_json(&s, &headers, body).await {
+        Ok(x) => x,
+        Err(r) => return r,
+    };
+    let max = cfg.limits.max_pin_ttl_ms;
+    let ttl_ms = match m.get("ttl_ms") {
+        None | Some(Value::Null) => max,
+        Some(v) => match v.as_u64() {
+            Some(0) | None => {
+                return bad(
+                    "ttl_ms",
+                    format!("expected milliseconds, 1 to {max}, got {v}"),
+                );
+            }
+            Some(n) if n > max => {
+                return bad(
+                    "ttl_ms",
+                    format!("{n} is above limits.max_pin_ttl_ms ({max})"),
+                );
+            }
+            Some(n) => n,
+        },
+    };
+    let tiers = match shared_tiers(&s) {
+        Ok(t) => t,
+        Err(r) => return r,
+    };
+    let r = tokio::task::spawn_blocking(move || {
+        tiers.pin_unit(&kvstack_tiers::Tenant::new(&t.name), &tokens, ttl_ms)
+    })
+    .await;
+    match r {
+        Ok(Ok(Some(p))) => axum::Json(json!({
+            "pinned": true,
+            "tokens": p.tokens,
+            "ttl_ms": ttl_ms,
+            "until_ms": p.until_ms,
+            "dram_window": p.window,
+        }))
+        .into_response(),
+        Ok(Ok(None)) => error(
+            StatusCode::NOT_FOUND,
+            Some("tokens"),
+            "no cached prefix of these tokens for this tenant".into(),
+        ),
+        Ok(Err(e @ kvstack_tiers::Error::TooManyPins { .. })) => error(
+            StatusCode::TOO_MANY_REQUESTS,
+            None,
+            format!("pin refused: {e} in the DRAM window pool; unpin or wait for pins to end"),
+        ),
+        Ok(Err(e)) => tiers_error("pin", &e),
+        Err(e) => error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            None,
+            format!("pin failed: {e}"),
+        ),
+    }
+}
+
+/// `POST /v1/kv/unpin`: ends the pin of the longest cached prefix of `tokens`;
+/// `{"unpinned": false}` when none was held.
+async fn kv_unpin(State(s): St, headers: HeaderMap, body: Body) -> Response {
+    let (t, tokens) = match kv_body(&s, &headers, body).await {
+        Ok(x) => x,
+        Err(r) => return r,
+    };
+    let tiers = match shared_tiers(&s) {
+        Ok(t) => t,
+        Err(r) => return r,
+    };
+    let r = tokio::task::spawn_blocking(move || {
+        tiers.unpin_unit(&kvstack_tiers::Tenant::new(&t.name), &tokens)
+    })
+    .await;
+    match r {
+        Ok(unpinned) => axum::Json(json!({ "unpinned": unpinned })).into_response(),
+        Err(e) => error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            None,
+            format!("unpin failed: {e}"),
         ),
     }
 }

@@ -555,6 +555,46 @@ fn kv_get_and_put_carry_units_in_the_stored_format_and_refuse_damage() {
         .and_then(|v| v.parse::<f64>().ok())
         .unwrap_or(0.0);
     assert_eq!(written as usize, put.len(), "{m}");
+
+    // Pins: bounded by limits.max_pin_ttl_ms (1 h by default), per tenant, and ended once.
+    let pin = |key, tokens: &[u32], ttl: serde_json::Value| {
+        let body = serde_json::json!({"tokens": tokens, "ttl_ms": ttl}).to_string();
+        let (st, b) = d.req_bytes("/v1/kv/pin", Some(key), body.as_bytes());
+        (st, String::from_utf8_lossy(&b).into_owned())
+    };
+    for ttl in [
+        serde_json::json!(3_600_001),
+        serde_json::json!(0),
+        serde_json::json!("1h"),
+    ] {
+        let (st, b) = pin(ka, &prompt, ttl.clone());
+        assert_eq!(st, 400, "{ttl}: {b}");
+        assert!(b.contains("ttl_ms"), "{ttl}: {b}");
+    }
+    let (st, b) = pin(ka, &other, serde_json::json!(60_000));
+    assert_eq!(st, 404, "{b}");
+    let (st, b) = pin(ka, &prompt, serde_json::json!(60_000));
+    assert_eq!(st, 200, "{b}");
+    let p: serde_json::Value = serde_json::from_str(&b).unwrap();
+    assert_eq!(
+        (p["pinned"].as_bool(), p["tokens"].as_u64()),
+        (Some(true), Some(n))
+    );
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let until = p["until_ms"].as_u64().unwrap();
+    assert!(until > now && until <= now + 60_000, "{p}");
+    // No ttl_ms: the longest pin allowed.
+    let (st, b) = pin(kb, &prompt, serde_json::Value::Null);
+    assert_eq!(st, 200, "{b}");
+    let p: serde_json::Value = serde_json::from_str(&b).unwrap();
+    assert_eq!(p["ttl_ms"], 3_600_000, "{p}");
+    let unpin = serde_json::json!({"tokens": prompt}).to_string();
+    assert_eq!(d.json("/v1/kv/unpin", Some(ka), &unpin)["unpinned"], true);
+    assert_eq!(d.json("/v1/kv/unpin", Some(ka), &unpin)["unpinned"], false);
+    assert_eq!(d.json("/v1/kv/unpin", Some(kb), &unpin)["unpinned"], true);
     assert_eq!(d.stop(), 0);
 }
 

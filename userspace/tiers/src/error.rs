@@ -54,6 +54,13 @@ pub enum Error {
     #[error("the store is open read-only")]
     ReadOnly,
 
+    /// A pin was refused: as many pins as allowed are held already.
+    #[error("too many pins: at most {limit} are held at once")]
+    TooManyPins {
+        /// The limit.
+        limit: usize,
+    },
+
     /// A write was refused: no space is free and nothing may be reclaimed (every block is
     /// younger than the retention period, or too live to compact). Counted in the stats.
     #[error(

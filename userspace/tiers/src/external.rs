@@ -46,6 +46,17 @@ impl BlockSource for GivenBlocks<'_> {
     }
 }
 
+/// A pin taken by [`Tiers::pin_unit`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Pinned {
+    /// Tokens of the pinned unit (the longest stored prefix of the tokens asked for).
+    pub tokens: u64,
+    /// When the pin ends (the tiers' clock, ms).
+    pub until_ms: u64,
+    /// Whether its window snapshot is pinned in the DRAM pool too (the pool held one).
+    pub window: bool,
+}
+
 /// What [`Tiers::read_unit_with`] read: the unit's length and its window snapshot; the blocks
 /// went to the caller's sink.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -226,5 +237,43 @@ impl Tiers {
                 .delete_unit(self.model(), tenant, tokens, self.geometry().page_tokens)?;
         self.pool().remove(&ticket.key);
         Ok(ticket)
+    }
+
+    /// Pins the longest stored prefix of `tokens` for `tenant` for `ttl_ms`: on the SSD it is
+    /// not evicted past its retention, and its window snapshot, when the DRAM pool holds one,
+    /// neither expires nor is evicted, until the pin ends (a later pin replaces the end). A
+    /// delete still removes it. Pins live in memory only. `Ok(None)` when nothing is stored.
+    ///
+    /// # Errors
+    /// [`Error::TooManyPins`] when the pool has half of its slots pinned already (the unit is
+    /// then not pinned on the SSD either).
+    pub fn pin_unit(&self, tenant: &Tenant, tokens: &[u32], ttl_ms: u64) -> Result<Option<Pinned>> {
+        let hit = self.lookup(tokens, tenant);
+        let Some(key) = hit.key().filter(|_| hit.tokens > 0) else {
+            return Ok(None);
+        };
+        let until_ms = self.store().now_ms().saturating_add(ttl_ms);
+        let window = self.pool().pin(&key, until_ms)?;
+        if !self.store().pin(&key, until_ms) {
+            // Evicted or deleted since the lookup.
+            self.pool().unpin(&key);
+            return Ok(None);
+        }
+        Ok(Some(Pinned {
+            tokens: hit.tokens,
+            until_ms,
+            window,
+        }))
+    }
+
+    /// Ends the pin of the longest stored prefix of `tokens` for `tenant`; returns whether
+    /// one was held.
+    pub fn unpin_unit(&self, tenant: &Tenant, tokens: &[u32]) -> bool {
+        let hit = self.lookup(tokens, tenant);
+        let Some(key) = hit.key().filter(|_| hit.tokens > 0) else {
+            return false;
+        };
+        let window = self.pool().unpin(&key);
+        self.store().unpin(&key) || window
     }
 }

@@ -29,7 +29,7 @@ pub mod window_pool;
 
 pub use clock::{Clock, HOUR_MS, ManualClock, SystemClock};
 pub use error::{Error, Result};
-pub use external::{UnitData, UnitRead};
+pub use external::{Pinned, UnitData, UnitRead};
 pub use key::{ModelFingerprint, Tenant};
 pub use scan::Damage;
 pub use segment::StoreLocation;

@@ -107,6 +107,13 @@ struct Inner {
     free: Vec<usize>,
     next_stamp: u64,
     stats: PoolStats,
+    /// Pinned keys and the end of their pins: neither expired nor evicted meanwhile.
+    pins: HashMap<Key, u64>,
+}
+
+/// Whether `key` holds a pin that has not ended at `now`.
+fn pinned(pins: &HashMap<Key, u64>, key: &Key, now: u64) -> bool {
+    pins.get(key).is_some_and(|&until| until > now)
 }
 
 impl Inner {
@@ -201,6 +208,7 @@ impl WindowPool {
                 lru: BTreeSet::new(),
                 free: Vec::new(),
                 next_stamp: 0,
+                pins: HashMap::new(),
                 stats: PoolStats {
                     capacity_bytes: capacity,
                     slot_bytes: slot_bytes as u64,
@@ -217,8 +225,46 @@ impl WindowPool {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn expired(&self, s: &Slot, now: u64) -> bool {
-        now >= s.created.saturating_add(self.ttl_ms)
+    /// Whether `s` has expired at `now`: past its TTL and not pinned.
+    fn expired(&self, pins: &HashMap<Key, u64>, s: &Slot, now: u64) -> bool {
+        now >= s.created.saturating_add(self.ttl_ms) && !pinned(pins, &s.key, now)
+    }
+
+    /// Pins the snapshot under `key` until `until_ms` (this pool's clock): it neither
+    /// expires nor is evicted meanwhile. Pins that have ended are dropped here. At most half
+    /// of the pool's slots may be pinned at once, so that pins never starve it.
+    ///
+    /// Returns whether the pool holds an unexpired snapshot under `key` (no pin is taken
+    /// otherwise).
+    ///
+    /// # Errors
+    /// [`Error::TooManyPins`] when half of the slots are pinned already.
+    pub fn pin(&self, key: &Key, until_ms: u64) -> Result<bool> {
+        let now = self.clock.now_ms();
+        let mut g = self.lock();
+        let inner = &mut *g;
+        inner.pins.retain(|_, &mut until| until > now);
+        let Some(s) = inner.map.get(key).and_then(|&i| inner.slots[i]) else {
+            return Ok(false);
+        };
+        if self.expired(&inner.pins, &s, now) {
+            return Ok(false);
+        }
+        let limit = inner.max_slots / 2;
+        if !inner.pins.contains_key(key) && inner.pins.len() >= limit {
+            return Err(Error::TooManyPins { limit });
+        }
+        inner.pins.insert(*key, until_ms);
+        Ok(true)
+    }
+
+    /// Ends the pin of `key`; returns whether there was one that had not ended.
+    pub fn unpin(&self, key: &Key) -> bool {
+        let now = self.clock.now_ms();
+        self.lock()
+            .pins
+            .remove(key)
+            .is_some_and(|until| until > now)
     }
 
     /// Stores `bytes` under `key` (replacing any snapshot there).
@@ -258,16 +304,23 @@ impl WindowPool {
                 .slots
                 .iter()
                 .enumerate()
-                .filter_map(|(i, s)| s.filter(|s| self.expired(s, now)).map(|s| (s.created, i)))
+                .filter_map(|(i, s)| {
+                    s.filter(|s| self.expired(&inner.pins, s, now))
+                        .map(|s| (s.created, i))
+                })
                 .min()
                 .map(|(_, i)| i);
             let victim = match expired {
                 Some(i) => i,
                 None => {
-                    let Some(&(_, i)) = inner.lru.first() else {
+                    // The least recently used snapshot that is not pinned (at most half are).
+                    let unpinned = inner.lru.iter().find(|&&(_, i)| {
+                        inner.slots[i].is_none_or(|s| !pinned(&inner.pins, &s.key, now))
+                    });
+                    let Some(&(_, i)) = unpinned else {
                         return Err(Error::InvalidOption {
                             field: "capacity_bytes",
-                            reason: "the pool has no slot".into(),
+                            reason: "the pool has no slot that is not pinned".into(),
                         });
                     };
                     inner.stats.evicted += 1;
@@ -314,7 +367,7 @@ impl WindowPool {
             inner.stats.misses += 1;
             return None;
         };
-        if self.expired(&s, now) {
+        if self.expired(&inner.pins, &s, now) {
             inner.remove(i);
             inner.stats.expired += 1;
             inner.stats.misses += 1;
@@ -350,7 +403,7 @@ impl WindowPool {
         let Some(s) = g.slots.get(i).copied().flatten() else {
             return false;
         };
-        if self.expired(&s, now) {
+        if self.expired(&g.pins, &s, now) {
             g.remove(i);
             g.stats.expired += 1;
             return false;
@@ -358,9 +411,10 @@ impl WindowPool {
         true
     }
 
-    /// Drops the snapshot under `key`, if any.
+    /// Drops the snapshot under `key`, if any, and its pin.
     pub fn remove(&self, key: &Key) {
         let mut g = self.lock();
+        g.pins.remove(key);
         if let Some(&i) = g.map.get(key) {
             g.remove(i);
         }
@@ -442,5 +496,46 @@ mod tests {
         assert!(p.contains(&[3; 32]) && p.contains(&[4; 32]));
         assert_eq!(p.stats().evicted, 1);
         assert!(p.put([5; 32], &[0; 8193]).is_err());
+    }
+
+    #[test]
+    fn pinned_snapshots_neither_expire_nor_get_evicted_until_the_pin_ends() {
+        let (p, clock) = pool(4, 1000);
+        p.put([1; 32], &[1]).unwrap();
+        p.put([2; 32], &[2]).unwrap();
+        let end = clock.now_ms() + 5000;
+        assert!(p.pin(&[1; 32], end).unwrap());
+        // Nothing to pin: no snapshot under the key.
+        assert!(!p.pin(&[9; 32], end).unwrap());
+        // Past the TTL: 2 expires, the pinned 1 does not.
+        clock.advance(1000);
+        assert!(p.contains(&[1; 32]) && !p.contains(&[2; 32]));
+        // At most half of the slots (2 of 4) may be pinned.
+        p.put([3; 32], &[3]).unwrap();
+        p.put([4; 32], &[4]).unwrap();
+        assert!(p.pin(&[3; 32], end).unwrap());
+        assert!(matches!(
+            p.pin(&[4; 32], end),
+            Err(Error::TooManyPins { limit: 2 })
+        ));
+        // Re-pinning a pinned key moves its end and is not a new pin.
+        assert!(p.pin(&[3; 32], end + 1).unwrap());
+        // A full pool evicts the least recently used unpinned snapshot, never a pinned one,
+        // though 1 is the least recently used of all.
+        p.put([5; 32], &[5]).unwrap();
+        p.put([6; 32], &[6]).unwrap();
+        p.put([7; 32], &[7]).unwrap();
+        assert!(p.contains(&[1; 32]) && p.contains(&[3; 32]));
+        assert!(p.contains(&[7; 32]));
+        // Unpin ends a pin once; a removed snapshot loses its pin.
+        assert!(p.unpin(&[3; 32]));
+        assert!(!p.unpin(&[3; 32]));
+        p.remove(&[1; 32]);
+        assert!(!p.unpin(&[1; 32]));
+        // After its end, a pin no longer holds: the snapshot expires as usual.
+        p.put([8; 32], &[8]).unwrap();
+        assert!(p.pin(&[8; 32], clock.now_ms() + 10).unwrap());
+        clock.advance(1000);
+        assert!(!p.contains(&[8; 32]));
     }
 }

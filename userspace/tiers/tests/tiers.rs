@@ -1237,3 +1237,58 @@ fn exhausted_sequence_numbers_and_segment_ids_refuse_writes_not_wrap() {
     }
     store.close().unwrap();
 }
+
+#[test]
+fn pinned_units_outlive_retention_until_the_pin_ends() {
+    let dir = TempDir::new("pins");
+    let c = clock();
+    let mut opts = small_opts(dir.path());
+    opts.retention_ms = 72 * HOUR_MS;
+    let store = open(opts, c.clone());
+    let t = Tenant::new("t");
+    let old = fill(&store, &t, 5, 1000);
+    assert!(old.len() > 10, "{}", old.len());
+    let (pinned, free) = old.split_at(old.len() / 2);
+    let pin_end = store.now_ms() + 80 * HOUR_MS;
+    for u in pinned {
+        assert!(store.pin(&unit_key(&t, u), pin_end));
+    }
+    // A unit that is not stored is not pinned.
+    assert!(!store.pin(&unit_key(&t, &unit_tokens(6, 0, 0, 8 * P)), pin_end));
+    assert_eq!(store.pins(), pinned.len());
+
+    // Past retention, before the pin ends: eviction takes only unpinned units.
+    c.advance(72 * HOUR_MS);
+    let r = store.reclaim().unwrap();
+    assert_eq!(r.units_evicted, free.len() as u64, "{r:?}");
+    for u in pinned {
+        assert!(is_unit(&store, &t, u), "a pinned unit was evicted");
+        assert_eq!(read_and_check(&store, &t, u).0, u.len() as u64);
+    }
+    assert!(free.iter().all(|u| !is_unit(&store, &t, u)));
+    // Reads made the pinned units young: age them past retention again, still pinned.
+    c.advance(7 * HOUR_MS);
+    // A full store evicts around the pins too: new units fit only in the unpinned room.
+    let newer = fill(&store, &t, 7, 1000);
+    assert!(!newer.is_empty());
+    assert!(pinned.iter().all(|u| is_unit(&store, &t, u)));
+
+    // Unpinning one ends its pin (a second unpin finds none).
+    assert!(store.unpin(&unit_key(&t, &pinned[0])));
+    assert!(!store.unpin(&unit_key(&t, &pinned[0])));
+    // After the pins end, the units are evictable again.
+    c.advance(73 * HOUR_MS);
+    assert_eq!(store.pins(), 0);
+    let r = store.reclaim().unwrap();
+    assert!(r.units_evicted >= pinned.len() as u64, "{r:?}");
+    assert!(pinned.iter().all(|u| !is_unit(&store, &t, u)));
+    // A delete of a pinned unit still removes it, and its pin with it.
+    let last = fill(&store, &t, 8, 2);
+    assert!(store.pin(&unit_key(&t, &last[0]), store.now_ms() + HOUR_MS));
+    assert_eq!(
+        del(&store, &t, &last[0]).unwrap().wait().unwrap(),
+        DeleteOutcome::Deleted
+    );
+    assert_eq!(store.pins(), 0);
+    assert!(!is_unit(&store, &t, &last[0]));
+}

@@ -145,6 +145,8 @@ pub(super) struct State {
     /// Segments freed whose removal could not be made durable (see `free_retired`): they may
     /// still come back at a restart.
     pub(super) unsynced_frees: HashSet<u64>,
+    /// Pinned units and the end of their pins (`pin.rs`).
+    pub(super) pins: HashMap<Key, u64>,
 }
 
 #[derive(Default)]
@@ -512,6 +514,7 @@ pub(super) fn remove_unit(st: &mut State, end: &Key) -> Option<UnitMeta> {
     let keys = chain_of(st, end);
     let u = st.units.remove(end)?;
     st.by_age.remove(&(u.last_used, *end));
+    st.pins.remove(end);
     if let Some(l) = u.loc
         && let Some(s) = st.segments.get_mut(&l.seg)
         && s.units.remove(end)

@@ -39,6 +39,7 @@ mod delete;
 mod index;
 mod open;
 mod options;
+mod pin;
 mod put;
 mod read;
 mod reclaim;

@@ -452,6 +452,7 @@ impl SsdStore {
             deleting: HashMap::new(),
             orphans,
             unsynced_frees: HashSet::new(),
+            pins: HashMap::new(),
         };
         let read_only = opts.read_only;
         let shared = Arc::new(Shared {

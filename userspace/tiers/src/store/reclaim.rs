@@ -19,6 +19,7 @@ use super::index::{
     BlockState, Loc, SegMeta, Shared, State, TombMeta, add_seg, bump, chain_of, remove_unit,
 };
 use super::options::ReclaimReport;
+use super::pin::first_evictable;
 use super::put::Job;
 use super::read::check_block;
 use super::writer::{Pending, Purpose, Reloc, Writer, sync_location_dir, write_segment_header};
@@ -202,12 +203,9 @@ impl Writer {
                 if st.space.free() > before {
                     return Ok(Room::Freed);
                 }
-                let Some(&(used, end)) = st.by_age.first() else {
+                let Some((_, end)) = first_evictable(&st, now, retention) else {
                     break;
                 };
-                if used.saturating_add(retention) > now {
-                    break;
-                }
                 evict_unit(&mut st, &end, &self.shared);
             }
             retire_empty(&mut st, &self.dirty);
@@ -549,10 +547,7 @@ impl Writer {
         let now = self.shared.clock.now_ms();
         {
             let mut st = self.st();
-            while let Some(&(used, end)) = st.by_age.first() {
-                if used.saturating_add(self.shared.opts.retention_ms) > now {
-                    break;
-                }
+            while let Some((_, end)) = first_evictable(&st, now, self.shared.opts.retention_ms) {
                 evict_unit(&mut st, &end, &self.shared);
             }
         }
