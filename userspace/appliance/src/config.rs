@@ -150,6 +150,7 @@ struct TenantFile {
     api_key_sha256: Option<String>,
     max_concurrent: Option<u64>,
     max_prompt_tokens: Option<u64>,
+    dram_pool_bytes: Option<u64>,
 }
 
 /// Which model the daemon serves.
@@ -223,6 +224,9 @@ pub struct Tenant {
     pub max_concurrent: usize,
     /// Longest prompt of this tenant (at most the global limit).
     pub max_prompt_tokens: usize,
+    /// DRAM window pool bytes this tenant's snapshots may take (whole slots; a new snapshot
+    /// past it replaces the tenant's own least recently used); `None`: the pool's cap alone.
+    pub dram_pool_bytes: Option<u64>,
 }
 
 /// The daemon's whole configuration, checked.
@@ -569,6 +573,7 @@ fn tenants(list: &[TenantFile], e: &EngineConfig, l: &Limits) -> Result<Vec<Tena
             api_key_sha256: None,
             max_concurrent: e.queue_depth,
             max_prompt_tokens: l.max_prompt_tokens,
+            dram_pool_bytes: None,
         }]);
     }
     let mut out: Vec<Tenant> = Vec::with_capacity(list.len());
@@ -622,6 +627,10 @@ fn tenants(list: &[TenantFile], e: &EngineConfig, l: &Limits) -> Result<Vec<Tena
                 1,
                 l.max_prompt_tokens as u64,
             )?,
+            dram_pool_bytes: match t.dram_pool_bytes {
+                None => None,
+                Some(b) => Some(range(&key("dram_pool_bytes"), Some(b), 0, 0, 1 << 50)?),
+            },
         });
     }
     Ok(out)

@@ -808,7 +808,8 @@ async fn kv_lookup(State(s): St, headers: HeaderMap, body: Body) -> Response {
     };
     let st = Arc::clone(&s);
     let r = tokio::task::spawn_blocking(move || {
-        let hit = tiers.lookup(&tokens, &kvstack_tiers::Tenant::new(&t.name));
+        let tenant = kvstack_tiers::Tenant::new(&t.name);
+        let hit = tiers.lookup(&tokens, &tenant);
         let label = TenantLabel {
             tenant: t.name.clone(),
         };
@@ -821,6 +822,8 @@ async fn kv_lookup(State(s): St, headers: HeaderMap, body: Body) -> Response {
             "tiers": {"ssd": {"tokens": hit.tokens, "blocks": hit.store.keys.len()},
                       "dram_window": hit.window},
             "page_tokens": tiers.geometry().page_tokens,
+            "tenant": {"dram_pool_bytes": tiers.dram_bytes(&tenant),
+                       "dram_pool_quota_bytes": tiers.dram_quota(&tenant)},
         })
     })
     .await;

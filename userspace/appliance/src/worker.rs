@@ -91,6 +91,32 @@ pub struct Shared {
     pub in_flight: AtomicU64,
     /// Jobs that have not produced their first token.
     pub waiting: AtomicU64,
+    /// The tenants' DRAM pool quotas of the current config (name, bytes). Applied to the
+    /// tiers under this lock, by the engine thread once they open and by each `SIGHUP`, so
+    /// a reload during recovery is never overwritten by the config the daemon started with.
+    pub dram_quotas: std::sync::Mutex<Vec<(String, u64)>>,
+}
+
+impl Shared {
+    /// Sets the quotas of `tenants` (the current config's) and applies them to the tiers if
+    /// they are open.
+    pub fn set_dram_quotas(&self, tenants: Option<&[crate::config::Tenant]>) {
+        let mut q = self.dram_quotas.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(tenants) = tenants {
+            *q = tenants
+                .iter()
+                .filter_map(|t| t.dram_pool_bytes.map(|b| (t.name.clone(), b)))
+                .collect();
+        }
+        let tiers = self.tiers.read().ok().and_then(|t| t.clone());
+        if let Some(tiers) = tiers {
+            let named: Vec<_> = q
+                .iter()
+                .map(|(n, b)| (kvstack_tiers::Tenant::new(n), *b))
+                .collect();
+            tiers.set_dram_quotas(named.iter().map(|(t, b)| (t, *b)));
+        }
+    }
 }
 
 struct Active {

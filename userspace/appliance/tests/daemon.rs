@@ -311,6 +311,75 @@ fn bad_requests_get_4xx_naming_the_field_and_tenants_are_isolated() {
     assert_eq!(d.stop(), 0);
 }
 
+/// Completes `prompt` for `key` and waits until its unit is durable; returns the lookup.
+fn complete_and_look_up(d: &Daemon, key: &str, prompt: &[u32]) -> serde_json::Value {
+    let req = serde_json::json!({"prompt": prompt, "max_tokens": 1, "temperature": 0}).to_string();
+    d.json("/v1/completions", Some(key), &req);
+    wait_durable(d, Some(key), prompt);
+    let lookup = serde_json::json!({"tokens": prompt}).to_string();
+    d.json("/v1/kv/lookup", Some(key), &lookup)
+}
+
+#[test]
+fn dram_pool_quotas_bound_each_tenant_and_reload() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ka, kb) = ("key-of-a", "key-of-b");
+    let tenants = two_tenants(ka, kb).replacen(
+        "[[tenant]]\nname = \"b\"",
+        "dram_pool_bytes = 0\n[[tenant]]\nname = \"b\"",
+        1,
+    );
+    let d = Daemon::start(dir.path(), &tenants);
+    let p = |k: u32| -> Vec<u32> { (0..200).map(|i| (i * 7 + k * 31 + 3) % 250).collect() };
+    // a may keep no snapshot; b, without a quota, keeps each one.
+    let la = complete_and_look_up(&d, ka, &p(1));
+    assert_eq!(la["tiers"]["dram_window"], false, "{la}");
+    assert_eq!(la["tenant"]["dram_pool_bytes"], 0, "{la}");
+    assert_eq!(la["tenant"]["dram_pool_quota_bytes"], 0, "{la}");
+    let lb = complete_and_look_up(&d, kb, &p(1));
+    assert_eq!(lb["tiers"]["dram_window"], true, "{lb}");
+    assert!(lb["tenant"]["dram_pool_quota_bytes"].is_null(), "{lb}");
+    let slot = lb["tenant"]["dram_pool_bytes"].as_u64().unwrap();
+    assert!(slot > 0, "{lb}");
+    let lb = complete_and_look_up(&d, kb, &p(2));
+    assert_eq!(lb["tenant"]["dram_pool_bytes"], 2 * slot, "{lb}");
+
+    // SIGHUP with b's quota at one slot: b's next snapshot replaces its older ones.
+    let cfg = dir.path().join("kvstackd.toml");
+    let text = std::fs::read_to_string(&cfg).unwrap().replacen(
+        "name = \"b\"",
+        &format!("name = \"b\"\ndram_pool_bytes = {slot}"),
+        1,
+    );
+    std::fs::write(&cfg, text).unwrap();
+    // SAFETY: kill(2) on our own child's pid.
+    unsafe { libc_kill(d.child.id() as i32, 1) };
+    let t0 = Instant::now();
+    let probe = serde_json::json!({"tokens": p(2)}).to_string();
+    while d.json("/v1/kv/lookup", Some(kb), &probe)["tenant"]["dram_pool_quota_bytes"] != slot {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the reload never applied"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let lb = complete_and_look_up(&d, kb, &p(3));
+    assert_eq!(lb["tiers"]["dram_window"], true, "{lb}");
+    assert_eq!(lb["tenant"]["dram_pool_bytes"], slot, "{lb}");
+    for k in [1, 2] {
+        let l = d.json(
+            "/v1/kv/lookup",
+            Some(kb),
+            &serde_json::json!({"tokens": p(k)}).to_string(),
+        );
+        assert_eq!(l["tiers"]["dram_window"], false, "p({k}): {l}");
+        assert!(l["tokens"].as_u64() > Some(0), "the SSD keeps p({k}): {l}");
+    }
+    // a's quota of zero did not change what it reads: its unit is on the SSD.
+    assert!(la["tokens"].as_u64() > Some(0), "{la}");
+    assert_eq!(d.stop(), 0);
+}
+
 #[test]
 fn check_config_refuses_unknown_keys() {
     let dir = tempfile::tempdir().unwrap();

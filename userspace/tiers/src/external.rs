@@ -219,7 +219,7 @@ impl Tiers {
             source: &GivenBlocks(&data.blocks),
         })?;
         if let Some(w) = &data.window {
-            self.pool().put(ticket.key, w)?;
+            self.put_window(tenant, ticket.key, w)?;
         }
         Ok(ticket)
     }

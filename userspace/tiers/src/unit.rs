@@ -18,6 +18,7 @@
 //! Block payload (`docs/ssd-format.md`): for each KV source in layer order, its global entries
 //! of the block's tokens (`tokens / ratio` x 288 bytes), then its indexer keys (x 68 bytes).
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use kvstack_firmware_interface::record::{KEY_BYTES, Key};
@@ -127,6 +128,8 @@ pub struct Tiers {
     geometry: CacheGeometry,
     interval: u64,
     align: u64,
+    /// DRAM pool quotas in bytes by tenant id (`Tenant::id`); a tenant absent has none.
+    dram_quotas: std::sync::RwLock<HashMap<u64, u64>>,
 }
 
 /// Bytes of one block payload of `tokens` tokens (a multiple of every ratio).
@@ -230,7 +233,48 @@ impl Tiers {
             geometry,
             interval: opts.unit_interval_tokens.max(1),
             align,
+            dram_quotas: Default::default(),
         })
+    }
+
+    /// Replaces every tenant's DRAM pool quota: a tenant listed may hold at most
+    /// `bytes / slot_bytes` window snapshots in the pool (a new one replaces its own least
+    /// recently used; 0 keeps none of its snapshots), a tenant not listed is bounded by the
+    /// pool's cap alone. The SSD is not affected. A tenant over a lowered quota keeps its
+    /// snapshots until its next put, which drops its least recently used down to the quota.
+    pub fn set_dram_quotas<'a>(&self, quotas: impl IntoIterator<Item = (&'a Tenant, u64)>) {
+        let map = quotas.into_iter().map(|(t, b)| (t.id(), b)).collect();
+        *self.dram_quotas.write().unwrap_or_else(|e| e.into_inner()) = map;
+    }
+
+    /// `tenant`'s DRAM pool quota in bytes, if it has one.
+    pub fn dram_quota(&self, tenant: &Tenant) -> Option<u64> {
+        self.dram_quotas
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&tenant.id())
+            .copied()
+    }
+
+    /// Bytes of the DRAM pool `tenant`'s snapshots take (whole slots).
+    pub fn dram_bytes(&self, tenant: &Tenant) -> u64 {
+        (self.pool.owned_slots(tenant.id()) * self.pool.slot_bytes()) as u64
+    }
+
+    /// Puts `tenant`'s window snapshot under `key` within its quota; whether it was kept.
+    pub(crate) fn put_window(&self, tenant: &Tenant, key: Key, snap: &[u8]) -> Result<bool> {
+        let slot = self.pool.slot_bytes().max(1) as u64;
+        let quota = self
+            .dram_quota(tenant)
+            .map(|b| usize::try_from(b / slot).unwrap_or(usize::MAX));
+        let kept = self.pool.put_owned(key, snap, tenant.id(), quota)?;
+        if !kept {
+            log::debug!(
+                "tenant `{}` is at its DRAM pool quota with every snapshot pinned: window not kept",
+                tenant.name()
+            );
+        }
+        Ok(kept)
     }
 
     /// Unit lengths must be a multiple of this (the largest compress ratio, spec §8).
@@ -305,7 +349,7 @@ impl Tiers {
         if upto == len
             && let Some(snap) = self.window_snapshot(cache, seq)?
         {
-            self.pool.put(ticket.key, &snap)?;
+            self.put_window(tenant, ticket.key, &snap)?;
         }
         Ok(ticket)
     }

@@ -86,11 +86,18 @@ pub struct PoolStats {
     pub put_nanos: u64,
     /// Time spent in the readers of gets that returned a snapshot, nanoseconds.
     pub get_nanos: u64,
+    /// Snapshots of owners at their quota that replaced one of the same owner's.
+    pub quota_evicted: u64,
+    /// Puts not stored: the owner was at its quota with every snapshot of its own pinned (or
+    /// a quota of zero slots).
+    pub quota_refused: u64,
 }
 
 #[derive(Clone, Copy, Debug)]
 struct Slot {
     key: Key,
+    /// Whose snapshot it is (`Tenant::id`; 0 for puts without an owner): what quotas count.
+    owner: u64,
     len: usize,
     created: u64,
     /// LRU stamp (a counter, so ties never happen).
@@ -109,6 +116,8 @@ struct Inner {
     stats: PoolStats,
     /// Pinned keys and the end of their pins: neither expired nor evicted meanwhile.
     pins: HashMap<Key, u64>,
+    /// Slots held per owner.
+    owned: HashMap<u64, usize>,
 }
 
 /// Whether `key` holds a pin that has not ended at `now`.
@@ -119,10 +128,21 @@ fn pinned(pins: &HashMap<Key, u64>, key: &Key, now: u64) -> bool {
 impl Inner {
     fn remove(&mut self, i: usize) {
         if let Some(Some(s)) = self.slots.get(i).copied() {
+            self.disown(s.owner);
             self.map.remove(&s.key);
             self.lru.remove(&(s.stamp, i));
             self.slots[i] = None;
             self.free.push(i);
+        }
+    }
+
+    /// One slot fewer for `owner`.
+    fn disown(&mut self, owner: u64) {
+        if let Some(n) = self.owned.get_mut(&owner) {
+            *n -= 1;
+            if *n == 0 {
+                self.owned.remove(&owner);
+            }
         }
     }
 
@@ -209,6 +229,7 @@ impl WindowPool {
                 free: Vec::new(),
                 next_stamp: 0,
                 pins: HashMap::new(),
+                owned: HashMap::new(),
                 stats: PoolStats {
                     capacity_bytes: capacity,
                     slot_bytes: slot_bytes as u64,
@@ -267,15 +288,89 @@ impl WindowPool {
             .is_some_and(|until| until > now)
     }
 
+    /// Slots `owner` holds now (each takes `slot_bytes` of the cap).
+    pub fn owned_slots(&self, owner: u64) -> usize {
+        self.lock().owned.get(&owner).copied().unwrap_or(0)
+    }
+
+    /// Bytes of one slot: a quota in bytes allows `quota / slot_bytes` snapshots.
+    pub fn slot_bytes(&self) -> usize {
+        self.lock().slot_bytes
+    }
+
+    /// Stores `bytes` under `key` for `owner`, who may hold at most `quota` slots: an owner at
+    /// its quota replaces its own expired snapshot, else its own least recently used unpinned
+    /// one, never another owner's. Returns `false` (counted in `quota_refused`, nothing
+    /// stored) when the owner has no slot it may reuse; a replacement of `key` itself always
+    /// fits. `quota = None` is [`WindowPool::put`].
+    ///
+    /// # Errors
+    /// Those of [`WindowPool::put`].
+    pub fn put_owned(
+        &self,
+        key: Key,
+        bytes: &[u8],
+        owner: u64,
+        quota: Option<usize>,
+    ) -> Result<bool> {
+        let now = self.clock.now_ms();
+        let mut g = self.lock();
+        let inner = &mut *g;
+        // An oversized snapshot is refused by the put below before anything is evicted.
+        if let Some(quota) = quota.filter(|_| bytes.len() <= inner.slot_bytes) {
+            // Own snapshots go until one slot is left under the quota (more than one after
+            // the quota was lowered); a replacement of `key` takes no new slot.
+            while !inner.map.contains_key(&key)
+                && inner.owned.get(&owner).copied().unwrap_or(0) >= quota
+            {
+                let own = |i: usize| inner.slots[i].filter(|s| s.owner == owner);
+                let expired = (0..inner.slots.len())
+                    .filter_map(|i| own(i).filter(|s| self.expired(&inner.pins, s, now)))
+                    .map(|s| s.key)
+                    .next();
+                let victim = expired.or_else(|| {
+                    inner
+                        .lru
+                        .iter()
+                        .filter_map(|&(_, i)| own(i))
+                        .find(|s| !pinned(&inner.pins, &s.key, now))
+                        .map(|s| s.key)
+                });
+                let Some(&i) = victim.and_then(|v| inner.map.get(&v)) else {
+                    inner.stats.quota_refused += 1;
+                    return Ok(false);
+                };
+                inner.remove(i);
+                inner.stats.quota_evicted += 1;
+            }
+        }
+        self.put_locked(inner, now, key, bytes, owner)?;
+        Ok(true)
+    }
+
     /// Stores `bytes` under `key` (replacing any snapshot there).
     ///
     /// # Errors
     /// [`Error::InvalidOption`] for a snapshot larger than a slot; [`Error::Memory`] when
     /// memory cannot be committed.
     pub fn put(&self, key: Key, bytes: &[u8]) -> Result<()> {
+        self.put_as(key, bytes, 0)
+    }
+
+    fn put_as(&self, key: Key, bytes: &[u8], owner: u64) -> Result<()> {
         let now = self.clock.now_ms();
-        let mut g = self.lock();
-        let inner = &mut *g;
+        self.put_locked(&mut self.lock(), now, key, bytes, owner)
+    }
+
+    /// [`WindowPool::put`] under the pool's lock (so a quota check and its put are one step).
+    fn put_locked(
+        &self,
+        inner: &mut Inner,
+        now: u64,
+        key: Key,
+        bytes: &[u8],
+        owner: u64,
+    ) -> Result<()> {
         if bytes.len() > inner.slot_bytes {
             return Err(Error::InvalidOption {
                 field: "slot_bytes",
@@ -338,11 +433,14 @@ impl WindowPool {
         }
         inner.stats.put_nanos += copy.elapsed().as_nanos() as u64;
         inner.stats.bytes_put += bytes.len() as u64;
-        if let Some(Some(old)) = inner.slots.get(i) {
+        if let Some(Some(old)) = inner.slots.get(i).copied() {
             inner.lru.remove(&(old.stamp, i));
+            inner.disown(old.owner);
         }
+        *inner.owned.entry(owner).or_insert(0) += 1;
         inner.slots[i] = Some(Slot {
             key,
+            owner,
             len: bytes.len(),
             created: now,
             stamp: 0,
@@ -537,5 +635,45 @@ mod tests {
         assert!(p.pin(&[8; 32], clock.now_ms() + 10).unwrap());
         clock.advance(1000);
         assert!(!p.contains(&[8; 32]));
+    }
+
+    #[test]
+    fn an_owner_at_its_quota_replaces_only_its_own_snapshots() {
+        let (p, clock) = pool(6, 1000);
+        let (a, b) = (11, 22);
+        // b fills half the pool without a quota; a lowered quota shrinks it on its next put.
+        for k in 0..3u8 {
+            assert!(p.put_owned([100 + k; 32], &[k], b, None).unwrap());
+        }
+        // a may hold 2: its third put replaces its least recently used, never b's.
+        assert!(p.put_owned([1; 32], &[1], a, Some(2)).unwrap());
+        clock.advance(1);
+        assert!(p.put_owned([2; 32], &[2], a, Some(2)).unwrap());
+        assert!(p.get_with(&[1; 32], |_| ()).is_some());
+        assert!(p.put_owned([3; 32], &[3], a, Some(2)).unwrap());
+        assert_eq!((p.owned_slots(a), p.owned_slots(b)), (2, 3));
+        assert!(p.contains(&[1; 32]) && !p.contains(&[2; 32]) && p.contains(&[3; 32]));
+        assert!((0..3u8).all(|k| p.contains(&[100 + k; 32])));
+        assert_eq!(p.stats().quota_evicted, 1);
+        assert_eq!(p.stats().evicted, 0);
+        // Replacing a key it holds is no new slot.
+        assert!(p.put_owned([3; 32], &[9], a, Some(2)).unwrap());
+        assert_eq!(p.owned_slots(a), 2);
+        // With both of its snapshots pinned, a's next put is not kept (and evicts nothing).
+        assert!(p.pin(&[1; 32], clock.now_ms() + 10_000).unwrap());
+        assert!(p.pin(&[3; 32], clock.now_ms() + 10_000).unwrap());
+        assert!(!p.put_owned([4; 32], &[4], a, Some(2)).unwrap());
+        assert_eq!(p.stats().quota_refused, 1);
+        assert!(!p.contains(&[4; 32]) && p.contains(&[1; 32]) && p.contains(&[3; 32]));
+        // A quota of zero keeps nothing; an oversized snapshot evicts nothing before failing.
+        assert!(!p.put_owned([5; 32], &[5], 33, Some(0)).unwrap());
+        assert!(p.put_owned([6; 32], &[0; 8193], b, Some(3)).is_err());
+        assert_eq!(p.owned_slots(b), 3);
+        // Removal gives the slot back to its owner's count.
+        p.remove(&[100; 32]);
+        assert_eq!(p.owned_slots(b), 2);
+        assert!(p.put_owned([7; 32], &[7], b, Some(1)).unwrap());
+        assert_eq!(p.owned_slots(b), 1);
+        assert!(p.contains(&[7; 32]) && !p.contains(&[101; 32]) && !p.contains(&[102; 32]));
     }
 }
