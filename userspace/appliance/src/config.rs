@@ -151,6 +151,7 @@ struct TenantFile {
     max_concurrent: Option<u64>,
     max_prompt_tokens: Option<u64>,
     dram_pool_bytes: Option<u64>,
+    ssd_bytes: Option<u64>,
 }
 
 /// Which model the daemon serves.
@@ -227,6 +228,10 @@ pub struct Tenant {
     /// DRAM window pool bytes this tenant's snapshots may take (whole slots; a new snapshot
     /// past it replaces the tenant's own least recently used); `None`: the pool's cap alone.
     pub dram_pool_bytes: Option<u64>,
+    /// SSD bytes this tenant's KV blocks may take (its own least recently used unpinned units
+    /// make way, of any age; a put that cannot fit is refused with 507); `None`: the store's
+    /// capacity alone.
+    pub ssd_bytes: Option<u64>,
 }
 
 /// The daemon's whole configuration, checked.
@@ -574,6 +579,7 @@ fn tenants(list: &[TenantFile], e: &EngineConfig, l: &Limits) -> Result<Vec<Tena
             max_concurrent: e.queue_depth,
             max_prompt_tokens: l.max_prompt_tokens,
             dram_pool_bytes: None,
+            ssd_bytes: None,
         }]);
     }
     let mut out: Vec<Tenant> = Vec::with_capacity(list.len());
@@ -630,6 +636,10 @@ fn tenants(list: &[TenantFile], e: &EngineConfig, l: &Limits) -> Result<Vec<Tena
             dram_pool_bytes: match t.dram_pool_bytes {
                 None => None,
                 Some(b) => Some(range(&key("dram_pool_bytes"), Some(b), 0, 0, 1 << 50)?),
+            },
+            ssd_bytes: match t.ssd_bytes {
+                None => None,
+                Some(b) => Some(range(&key("ssd_bytes"), Some(b), 0, 0, 1 << 60)?),
             },
         });
     }

@@ -750,13 +750,14 @@ pub fn fingerprint_hex(tiers: &kvstack_tiers::Tiers) -> String {
 }
 
 /// The status and message of a tiers error met by the KV-cache API: the caller's data is at
-/// fault (400, naming the block), the store is full (507), or the server failed (500).
+/// fault (400, naming the block), the store or the tenant's SSD quota is full (507), or the
+/// server failed (500).
 fn tiers_error(what: &str, e: &kvstack_tiers::Error) -> Response {
     use kvstack_tiers::Error as E;
     match e {
         E::Payload { block, .. } => bad(&format!("blocks[{block}]"), e.to_string()),
         E::UnitRange { .. } => bad("tokens", e.to_string()),
-        E::StoreFull { .. } => error(
+        E::StoreFull { .. } | E::QuotaExceeded { .. } => error(
             StatusCode::INSUFFICIENT_STORAGE,
             None,
             format!("{what} failed: {e}"),
@@ -797,22 +798,39 @@ fn shared_tiers(s: &AppState) -> Result<Arc<kvstack_tiers::Tiers>, Response> {
         })
 }
 
+/// Runs `f` on a blocking thread with the open tiers and the caller's cache tenant: what
+/// every KV-cache API call shares (503 while the tiers are not open, 500 naming `what` if `f`
+/// panics).
+async fn on_tiers<T: Send + 'static>(
+    s: &AppState,
+    tenant: &Tenant,
+    what: &str,
+    f: impl FnOnce(Arc<kvstack_tiers::Tiers>, kvstack_tiers::Tenant) -> T + Send + 'static,
+) -> Result<T, Response> {
+    let tiers = shared_tiers(s)?;
+    let cache_tenant = kvstack_tiers::Tenant::new(&tenant.name);
+    tokio::task::spawn_blocking(move || f(tiers, cache_tenant))
+        .await
+        .map_err(|e| {
+            error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                None,
+                format!("{what} failed: {e}"),
+            )
+        })
+}
+
 async fn kv_lookup(State(s): St, headers: HeaderMap, body: Body) -> Response {
     let (t, tokens) = match kv_body(&s, &headers, body).await {
         Ok(x) => x,
         Err(r) => return r,
     };
-    let tiers = match shared_tiers(&s) {
-        Ok(t) => t,
-        Err(r) => return r,
-    };
     let st = Arc::clone(&s);
-    let r = tokio::task::spawn_blocking(move || {
-        let tenant = kvstack_tiers::Tenant::new(&t.name);
+    let label = TenantLabel {
+        tenant: t.name.clone(),
+    };
+    let r = on_tiers(&s, &t, "lookup", move |tiers, tenant| {
         let hit = tiers.lookup(&tokens, &tenant);
-        let label = TenantLabel {
-            tenant: t.name.clone(),
-        };
         st.metrics.kv_lookups.get_or_create(&label).inc();
         if hit.tokens > 0 {
             st.metrics.kv_hits.get_or_create(&label).inc();
@@ -823,17 +841,15 @@ async fn kv_lookup(State(s): St, headers: HeaderMap, body: Body) -> Response {
                       "dram_window": hit.window},
             "page_tokens": tiers.geometry().page_tokens,
             "tenant": {"dram_pool_bytes": tiers.dram_bytes(&tenant),
-                       "dram_pool_quota_bytes": tiers.dram_quota(&tenant)},
+                       "dram_pool_quota_bytes": tiers.dram_quota(&tenant),
+                       "ssd_bytes": tiers.ssd_bytes(&tenant),
+                       "ssd_quota_bytes": tiers.ssd_quota(&tenant)},
         })
     })
     .await;
     match r {
         Ok(v) => axum::Json(v).into_response(),
-        Err(e) => error(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            None,
-            format!("lookup failed: {e}"),
-        ),
+        Err(r) => r,
     }
 }
 
@@ -842,13 +858,8 @@ async fn kv_delete(State(s): St, headers: HeaderMap, body: Body) -> Response {
         Ok(x) => x,
         Err(r) => return r,
     };
-    let tiers = match shared_tiers(&s) {
-        Ok(t) => t,
-        Err(r) => return r,
-    };
-    let r = tokio::task::spawn_blocking(move || {
-        let ticket = tiers.delete_unit(&kvstack_tiers::Tenant::new(&t.name), &tokens)?;
-        ticket.wait()
+    let r = on_tiers(&s, &t, "delete", move |tiers, tenant| {
+        tiers.delete_unit(&tenant, &tokens)?.wait()
     })
     .await;
     match r {
@@ -861,11 +872,7 @@ async fn kv_delete(State(s): St, headers: HeaderMap, body: Body) -> Response {
             None,
             format!("delete failed: {e}"),
         ),
-        Err(e) => error(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            None,
-            format!("delete failed: {e}"),
-        ),
+        Err(r) => r,
     }
 }
 
@@ -898,12 +905,8 @@ async fn kv_pin(State(s): St, headers: HeaderMap, body: Body) -> Response {
             Some(n) => n,
         },
     };
-    let tiers = match shared_tiers(&s) {
-        Ok(t) => t,
-        Err(r) => return r,
-    };
-    let r = tokio::task::spawn_blocking(move || {
-        tiers.pin_unit(&kvstack_tiers::Tenant::new(&t.name), &tokens, ttl_ms)
+    let r = on_tiers(&s, &t, "pin", move |tiers, tenant| {
+        tiers.pin_unit(&tenant, &tokens, ttl_ms)
     })
     .await;
     match r {
@@ -926,11 +929,7 @@ async fn kv_pin(State(s): St, headers: HeaderMap, body: Body) -> Response {
             format!("pin refused: {e} in the DRAM window pool; unpin or wait for pins to end"),
         ),
         Ok(Err(e)) => tiers_error("pin", &e),
-        Err(e) => error(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            None,
-            format!("pin failed: {e}"),
-        ),
+        Err(r) => r,
     }
 }
 
@@ -941,21 +940,13 @@ async fn kv_unpin(State(s): St, headers: HeaderMap, body: Body) -> Response {
         Ok(x) => x,
         Err(r) => return r,
     };
-    let tiers = match shared_tiers(&s) {
-        Ok(t) => t,
-        Err(r) => return r,
-    };
-    let r = tokio::task::spawn_blocking(move || {
-        tiers.unpin_unit(&kvstack_tiers::Tenant::new(&t.name), &tokens)
+    let r = on_tiers(&s, &t, "unpin", move |tiers, tenant| {
+        tiers.unpin_unit(&tenant, &tokens)
     })
     .await;
     match r {
         Ok(unpinned) => axum::Json(json!({ "unpinned": unpinned })).into_response(),
-        Err(e) => error(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            None,
-            format!("unpin failed: {e}"),
-        ),
+        Err(r) => r,
     }
 }
 
@@ -967,16 +958,11 @@ async fn kv_get(State(s): St, headers: HeaderMap, body: Body) -> Response {
         Ok(x) => x,
         Err(r) => return r,
     };
-    let tiers = match shared_tiers(&s) {
-        Ok(t) => t,
-        Err(r) => return r,
-    };
     let st = Arc::clone(&s);
-    let r = tokio::task::spawn_blocking(move || {
-        let tenant = kvstack_tiers::Tenant::new(&t.name);
-        let label = TenantLabel {
-            tenant: t.name.clone(),
-        };
+    let label = TenantLabel {
+        tenant: t.name.clone(),
+    };
+    let r = on_tiers(&s, &t, "get", move |tiers, tenant| {
         st.metrics.kv_lookups.get_or_create(&label).inc();
         let hit = tiers.lookup(&tokens, &tenant);
         if hit.tokens == 0 {
@@ -1013,11 +999,7 @@ async fn kv_get(State(s): St, headers: HeaderMap, body: Body) -> Response {
             "no cached prefix of these tokens for this tenant".into(),
         ),
         Ok(Err(e)) => tiers_error("get", &e),
-        Err(e) => error(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            None,
-            format!("get failed: {e}"),
-        ),
+        Err(r) => r,
     }
 }
 

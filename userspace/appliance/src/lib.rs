@@ -206,7 +206,7 @@ async fn serve_async(cfg: Config, config_path: Option<PathBuf>) -> Result<()> {
     })?;
     let socks = sockets(&cfg)?;
     let shared = Arc::new(Shared::default());
-    shared.set_dram_quotas(Some(&cfg.tenants));
+    shared.set_quotas(Some(&cfg.tenants));
     let metrics = Arc::new(Metrics::new());
     let (tx, rx) = std::sync::mpsc::sync_channel::<Command>(cfg.engine.queue_depth);
     let opts = service_options(&cfg);
@@ -240,7 +240,7 @@ async fn serve_async(cfg: Config, config_path: Option<PathBuf>) -> Result<()> {
             }
             // The quotas of the config now in force (set before the engine thread started,
             // replaced by any SIGHUP since).
-            wshared.set_dram_quotas(None);
+            wshared.set_quotas(None);
             log::info!(
                 "model {} ready in {:.2} s (SSD recovery {:.2} s)",
                 svc.model_name(),
@@ -378,7 +378,7 @@ fn reload(state: &AppState, path: Option<&std::path::Path>) {
         Ok(new) => {
             if let Ok(mut c) = state.config.write() {
                 let mut next = (**c).clone();
-                state.shared.set_dram_quotas(Some(&new.tenants));
+                state.shared.set_quotas(Some(&new.tenants));
                 next.tenants = new.tenants;
                 next.limits = new.limits;
                 *c = Arc::new(next);

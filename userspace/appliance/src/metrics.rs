@@ -80,6 +80,8 @@ pub struct Metrics {
     ssd_units: Gauge,
     ssd_bytes: Gauge,
     ssd_evicted: Gauge,
+    ssd_quota_evicted: Gauge,
+    ssd_quota_refused: Gauge,
     ssd_damaged: Gauge,
     ssd_backlog: Gauge,
     ssd_lookups: Gauge,
@@ -123,6 +125,8 @@ impl Metrics {
             ssd_units: Gauge::default(),
             ssd_bytes: Gauge::default(),
             ssd_evicted: Gauge::default(),
+            ssd_quota_evicted: Gauge::default(),
+            ssd_quota_refused: Gauge::default(),
             ssd_damaged: Gauge::default(),
             ssd_backlog: Gauge::default(),
             ssd_lookups: Gauge::default(),
@@ -227,8 +231,19 @@ impl Metrics {
         );
         r.register(
             "ssd_units_evicted",
-            "SSD units evicted past retention",
+            "SSD units evicted (past retention, or by their tenant's SSD quota)",
             m.ssd_evicted.clone(),
+        );
+        r.register(
+            "ssd_quota_evicted_units",
+            "SSD units evicted to keep their tenant within its SSD quota (counted in \
+             ssd_units_evicted too)",
+            m.ssd_quota_evicted.clone(),
+        );
+        r.register(
+            "ssd_quota_refused_puts",
+            "SSD unit writes refused by their tenant's SSD quota",
+            m.ssd_quota_refused.clone(),
         );
         r.register(
             "ssd_crc_failures",
@@ -317,6 +332,8 @@ impl Metrics {
             self.ssd_units.set(to_i64(s.units));
             self.ssd_bytes.set(to_i64(s.live_bytes));
             self.ssd_evicted.set(to_i64(s.units_evicted));
+            self.ssd_quota_evicted.set(to_i64(s.quota_evicted));
+            self.ssd_quota_refused.set(to_i64(s.refused_quota));
             self.ssd_damaged.set(to_i64(s.damaged_reads));
             self.ssd_backlog.set(to_i64(s.queued_bytes));
             self.ssd_lookups.set(to_i64(s.lookups));

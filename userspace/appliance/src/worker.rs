@@ -91,30 +91,31 @@ pub struct Shared {
     pub in_flight: AtomicU64,
     /// Jobs that have not produced their first token.
     pub waiting: AtomicU64,
-    /// The tenants' DRAM pool quotas of the current config (name, bytes). Applied to the
-    /// tiers under this lock, by the engine thread once they open and by each `SIGHUP`, so
-    /// a reload during recovery is never overwritten by the config the daemon started with.
-    pub dram_quotas: std::sync::Mutex<Vec<(String, u64)>>,
+    /// The tenants of the current config, for their DRAM pool and SSD quotas. Applied
+    /// to the tiers under this lock, by the engine thread once they open and by each `SIGHUP`,
+    /// so a reload during recovery is never overwritten by the config the daemon started with.
+    pub quotas: std::sync::Mutex<Vec<crate::config::Tenant>>,
 }
 
 impl Shared {
     /// Sets the quotas of `tenants` (the current config's) and applies them to the tiers if
     /// they are open.
-    pub fn set_dram_quotas(&self, tenants: Option<&[crate::config::Tenant]>) {
-        let mut q = self.dram_quotas.lock().unwrap_or_else(|e| e.into_inner());
+    pub fn set_quotas(&self, tenants: Option<&[crate::config::Tenant]>) {
+        let mut q = self.quotas.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(tenants) = tenants {
-            *q = tenants
-                .iter()
-                .filter_map(|t| t.dram_pool_bytes.map(|b| (t.name.clone(), b)))
-                .collect();
+            *q = tenants.to_vec();
         }
         let tiers = self.tiers.read().ok().and_then(|t| t.clone());
         if let Some(tiers) = tiers {
             let named: Vec<_> = q
                 .iter()
-                .map(|(n, b)| (kvstack_tiers::Tenant::new(n), *b))
+                .map(|t| {
+                    let id = kvstack_tiers::Tenant::new(&t.name);
+                    (id, t.dram_pool_bytes, t.ssd_bytes)
+                })
                 .collect();
-            tiers.set_dram_quotas(named.iter().map(|(t, b)| (t, *b)));
+            tiers.set_dram_quotas(named.iter().filter_map(|(t, d, _)| Some((t, (*d)?))));
+            tiers.set_ssd_quotas(named.iter().filter_map(|(t, _, s)| Some((t, (*s)?))));
         }
     }
 }

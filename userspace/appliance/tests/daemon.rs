@@ -381,6 +381,98 @@ fn dram_pool_quotas_bound_each_tenant_and_reload() {
 }
 
 #[test]
+fn ssd_quotas_bound_each_tenant_refuse_puts_and_reload() {
+    use kvstack_appliance::frame;
+    let dir = tempfile::tempdir().unwrap();
+    let (ka, kb) = ("key-of-a", "key-of-b");
+    let tenants = two_tenants(ka, kb).replacen(
+        "[[tenant]]\nname = \"b\"",
+        "ssd_bytes = 0\n[[tenant]]\nname = \"b\"",
+        1,
+    );
+    let d = Daemon::start(dir.path(), &tenants);
+    let p = |k: u32| -> Vec<u32> { (0..200).map(|i| (i * 11 + k * 37 + 1) % 250).collect() };
+    let lookup = |key: &str, tokens: &[u32]| {
+        d.json(
+            "/v1/kv/lookup",
+            Some(key),
+            &serde_json::json!({"tokens": tokens}).to_string(),
+        )
+    };
+    // b, without a quota, keeps its unit; its size is what one such unit takes.
+    let lb = complete_and_look_up(&d, kb, &p(1));
+    assert!(lb["tenant"]["ssd_quota_bytes"].is_null(), "{lb}");
+    let unit = lb["tenant"]["ssd_bytes"].as_u64().unwrap();
+    assert!(unit > 0, "{lb}");
+    // a may keep nothing: its completion is served, its unit is not kept.
+    let req = serde_json::json!({"prompt": p(1), "max_tokens": 1, "temperature": 0}).to_string();
+    let done = d.json("/v1/completions", Some(ka), &req);
+    assert!(done["choices"].is_array(), "{done}");
+    let la = lookup(ka, &p(1));
+    assert_eq!(la["tokens"], 0, "{la}");
+    assert_eq!(la["tenant"]["ssd_bytes"], 0, "{la}");
+    assert_eq!(la["tenant"]["ssd_quota_bytes"], 0, "{la}");
+    // A KV-cache API put by a is refused with 507 naming the quota; b is untouched.
+    let get = serde_json::json!({"tokens": p(1)}).to_string();
+    let (st, body) = d.req_bytes("/v1/kv/get", Some(kb), get.as_bytes());
+    assert_eq!(st, 200, "{}", String::from_utf8_lossy(&body));
+    let f = frame::decode(&body).unwrap();
+    let n = f.header.tokens;
+    let put = frame::encode(
+        n,
+        f.header.page_tokens,
+        f.header.model.clone(),
+        &p(1)[..n as usize],
+        &f.blocks,
+        f.window.as_deref(),
+    );
+    let (st, b) = d.req_bytes("/v1/kv/put?durable=true", Some(ka), &put);
+    let b = String::from_utf8_lossy(&b);
+    assert_eq!(st, 507, "{b}");
+    assert!(b.contains("quota"), "{b}");
+    assert_eq!(lookup(kb, &p(1))["tenant"]["ssd_bytes"], unit);
+
+    // SIGHUP with room for one unit: a keeps its newest, its older one makes way.
+    let quota = unit + unit / 2;
+    let cfg = dir.path().join("kvstackd.toml");
+    let text = std::fs::read_to_string(&cfg).unwrap().replacen(
+        "ssd_bytes = 0",
+        &format!("ssd_bytes = {quota}"),
+        1,
+    );
+    std::fs::write(&cfg, text).unwrap();
+    // SAFETY: kill(2) on our own child's pid.
+    unsafe { libc_kill(d.child.id() as i32, 1) };
+    let t0 = Instant::now();
+    while lookup(ka, &p(1))["tenant"]["ssd_quota_bytes"] != quota {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the reload never applied"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let la = complete_and_look_up(&d, ka, &p(2));
+    assert!(la["tokens"].as_u64() > Some(0), "{la}");
+    assert_eq!(la["tenant"]["ssd_bytes"], unit, "{la}");
+    let la = complete_and_look_up(&d, ka, &p(3));
+    let used = la["tenant"]["ssd_bytes"].as_u64().unwrap();
+    assert!(used > 0 && used <= quota, "{la}");
+    assert_eq!(lookup(ka, &p(2))["tokens"], 0, "a's older unit was kept");
+    // b's unit was never a's to evict.
+    assert!(lookup(kb, &p(1))["tokens"].as_u64() > Some(0));
+    let (st, m) = d.req("GET", "/metrics", None, "");
+    assert_eq!(st, 200);
+    let gauge = |name: &str| -> u64 {
+        m.lines()
+            .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{name} missing"))
+    };
+    assert!(gauge("kvstack_ssd_quota_evicted_units ") >= 1);
+    assert!(gauge("kvstack_ssd_quota_refused_puts ") >= 2);
+    assert_eq!(d.stop(), 0);
+}
+
+#[test]
 fn check_config_refuses_unknown_keys() {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("k.toml");

@@ -72,6 +72,21 @@ pub enum Error {
         needed: u64,
     },
 
+    /// A unit write was refused: its tenant's SSD byte quota cannot hold its new blocks even
+    /// after the tenant's own unpinned units made way. Counted in the stats.
+    #[error(
+        "SSD quota exceeded: the tenant keeps {used} bytes, the unit needs up to {needed} more, \
+         the quota is {quota} (what is left is pinned or being written)"
+    )]
+    QuotaExceeded {
+        /// Bytes the tenant keeps.
+        used: u64,
+        /// Bytes the unit's new blocks may take.
+        needed: u64,
+        /// The tenant's quota.
+        quota: u64,
+    },
+
     /// The write-behind queue is full: persisting was refused rather than block the caller.
     /// Counted in the stats.
     #[error("write-behind queue full ({queued} bytes queued, limit {limit})")]

@@ -247,6 +247,26 @@ impl Tiers {
         *self.dram_quotas.write().unwrap_or_else(|e| e.into_inner()) = map;
     }
 
+    /// Replaces every tenant's SSD byte quota: a tenant listed keeps at most that many bytes
+    /// of KV blocks on the SSD (its own least recently used unpinned units make way for a new
+    /// one, of any age; a unit that cannot fit is refused with [`crate::Error::QuotaExceeded`]),
+    /// a tenant not listed is bounded by the store alone. A tenant over a lowered quota is
+    /// brought under it at once (`docs/tiers.md`, "Quotas").
+    pub fn set_ssd_quotas<'a>(&self, quotas: impl IntoIterator<Item = (&'a Tenant, u64)>) {
+        self.store
+            .set_quotas(quotas.into_iter().map(|(t, b)| (t.id(), b)).collect());
+    }
+
+    /// `tenant`'s SSD byte quota, if it has one.
+    pub fn ssd_quota(&self, tenant: &Tenant) -> Option<u64> {
+        self.store.quota(tenant.id())
+    }
+
+    /// Bytes of KV blocks `tenant` keeps on the SSD (their records as laid out on disk).
+    pub fn ssd_bytes(&self, tenant: &Tenant) -> u64 {
+        self.store.tenant_bytes(tenant.id())
+    }
+
     /// `tenant`'s DRAM pool quota in bytes, if it has one.
     pub fn dram_quota(&self, tenant: &Tenant) -> Option<u64> {
         self.dram_quotas

@@ -1292,3 +1292,110 @@ fn pinned_units_outlive_retention_until_the_pin_ends() {
     assert_eq!(store.pins(), 0);
     assert!(!is_unit(&store, &t, &last[0]));
 }
+
+#[test]
+fn ssd_quotas_bound_a_tenant_by_its_own_oldest_units_and_survive_a_restart() {
+    let dir = TempDir::new("quotas");
+    let c = clock();
+    let mut opts = small_opts(dir.path());
+    opts.capacity_bytes = 32 * (256 << 10);
+    let store = open(opts.clone(), c.clone());
+    let (a, b) = (Tenant::new("a"), Tenant::new("b"));
+    let quota = 300 << 10;
+    store.set_quotas([(a.id(), quota)].into());
+    assert_eq!(store.quota(a.id()), Some(quota));
+    assert_eq!(store.quota(b.id()), None);
+
+    // Tenant b, without a quota, stores as much as a will.
+    let mut bs = Vec::new();
+    for u in 0..8 {
+        let tokens = unit_tokens(2, u, 0, 8 * P);
+        put(&store, &b, &tokens).unwrap().wait().unwrap();
+        bs.push(tokens);
+    }
+    let b_bytes = store.tenant_bytes(b.id());
+    assert!(b_bytes > quota, "{b_bytes}");
+
+    // Tenant a, one unit at a time: never over its quota; its oldest units make way.
+    let mut us = Vec::new();
+    for u in 0..8 {
+        c.advance(1000);
+        let tokens = unit_tokens(1, u, 0, 8 * P);
+        put(&store, &a, &tokens).unwrap().wait().unwrap();
+        us.push(tokens);
+        let used = store.tenant_bytes(a.id());
+        assert!(
+            used <= quota,
+            "unit {u}: {used} bytes over the quota {quota}"
+        );
+        store.check_index().unwrap();
+    }
+    let st = store.stats();
+    assert!(st.quota_evicted >= 3, "{st:?}");
+    assert_eq!(st.units_evicted, st.quota_evicted);
+    // The newest units are kept, oldest first made way, and b lost nothing.
+    let kept: Vec<bool> = us.iter().map(|u| is_unit(&store, &a, u)).collect();
+    assert!(kept[7] && kept[6] && !kept[0], "{kept:?}");
+    assert!(
+        kept.windows(2).all(|w| w[0] <= w[1]),
+        "not oldest first: {kept:?}"
+    );
+    assert_eq!(read_and_check(&store, &a, &us[7]).0, us[7].len() as u64);
+    assert!(bs.iter().all(|u| is_unit(&store, &b, u)));
+    assert_eq!(store.tenant_bytes(b.id()), b_bytes);
+
+    // Puts in flight together are settled once durable.
+    for u in 8..14 {
+        put(&store, &a, &unit_tokens(1, u, 0, 8 * P)).unwrap();
+    }
+    store.flush().unwrap();
+    assert!(store.tenant_bytes(a.id()) <= quota);
+    assert!(is_unit(&store, &a, &unit_tokens(1, 13, 0, 8 * P)));
+    store.check_index().unwrap();
+
+    // A unit bigger than the quota alone is refused, evicting nothing.
+    let before = store.units().len();
+    let e = put(&store, &a, &unit_tokens(1, 20, 0, 48 * P)).unwrap_err();
+    assert!(
+        matches!(e, Error::QuotaExceeded { quota: q, .. } if q == quota),
+        "{e}"
+    );
+    assert_eq!(store.units().len(), before);
+
+    // With every unit of a pinned, there is no room to make: refused, nothing evicted.
+    let used = store.tenant_bytes(a.id());
+    store.set_quotas([(a.id(), used)].into());
+    let mine: Vec<_> = (0..14)
+        .map(|u| unit_tokens(1, u, 0, 8 * P))
+        .filter(|u| is_unit(&store, &a, u))
+        .collect();
+    for u in &mine {
+        assert!(store.pin(&unit_key(&a, u), store.now_ms() + HOUR_MS));
+    }
+    let e = put(&store, &a, &unit_tokens(1, 21, 0, 8 * P)).unwrap_err();
+    assert!(matches!(e, Error::QuotaExceeded { .. }), "{e}");
+    assert!(mine.iter().all(|u| is_unit(&store, &a, u)));
+    assert!(store.stats().refused_quota >= 2);
+    store.check_index().unwrap();
+
+    // Usage is rebuilt from the records at a restart. Eviction writes nothing, so units a
+    // quota evicted come back while their segments are not reused; setting the quotas brings
+    // the tenant under at once, oldest first, and the pins are gone with the restart.
+    let (ua, ub) = (store.tenant_bytes(a.id()), store.tenant_bytes(b.id()));
+    store.close().unwrap();
+    let store = open(opts, c.clone());
+    assert!(store.tenant_bytes(a.id()) >= ua);
+    assert_eq!(store.tenant_bytes(b.id()), ub);
+    store.check_index().unwrap();
+    store.set_quotas([(a.id(), ua)].into());
+    assert!(store.tenant_bytes(a.id()) <= ua);
+    assert!(is_unit(&store, &a, mine.last().unwrap()));
+    assert!(!is_unit(&store, &a, &us[0]));
+    store.check_index().unwrap();
+    // Deleting a unit releases its bytes.
+    let gone = &mine[0];
+    let ua = store.tenant_bytes(a.id());
+    del(&store, &a, gone).unwrap().wait().unwrap();
+    assert!(store.tenant_bytes(a.id()) < ua);
+    store.check_index().unwrap();
+}

@@ -45,6 +45,12 @@ pub(super) struct BlockMeta {
     /// Queued jobs relying on it.
     pub(super) pinned: u32,
     pub(super) damaged: bool,
+    /// The tenant whose chain it belongs to (its record header's tenant id; chained keys are
+    /// salted by tenant, so a block is never shared across tenants).
+    pub(super) tenant: u64,
+    /// Bytes charged to its tenant's SSD usage: its record length from the moment a unit
+    /// first covers it until none does (`quota.rs`).
+    pub(super) charged: u64,
 }
 
 impl BlockMeta {
@@ -147,6 +153,10 @@ pub(super) struct State {
     pub(super) unsynced_frees: HashSet<u64>,
     /// Pinned units and the end of their pins (`pin.rs`).
     pub(super) pins: HashMap<Key, u64>,
+    /// Bytes of covered blocks by tenant id (`quota.rs`).
+    pub(super) tenant_bytes: HashMap<u64, u64>,
+    /// SSD byte quotas by tenant id; a tenant absent has none (`quota.rs`).
+    pub(super) quotas: HashMap<u64, u64>,
 }
 
 #[derive(Default)]
@@ -167,6 +177,8 @@ pub(super) struct Counters {
     pub(super) damaged_reads: AtomicU64,
     pub(super) lookups: AtomicU64,
     pub(super) hits: AtomicU64,
+    pub(super) quota_evicted: AtomicU64,
+    pub(super) refused_quota: AtomicU64,
 }
 
 pub(super) fn bump(c: &AtomicU64, n: u64) {
@@ -317,6 +329,39 @@ impl SsdStore {
                 ));
             }
         }
+        // Tenants' usage is what their covered blocks were charged, and a written block was
+        // charged its record.
+        let mut charged: HashMap<u64, u64> = HashMap::new();
+        for (k, b) in &st.blocks {
+            if b.covered == 0 {
+                if b.charged != 0 {
+                    return Err(format!(
+                        "block {} is covered by no unit and still charged {} bytes",
+                        crate::key::key_hex(k, 8),
+                        b.charged
+                    ));
+                }
+                continue;
+            }
+            if let Some(l) = b.loc()
+                && l.len != b.charged
+            {
+                return Err(format!(
+                    "block {} takes {} bytes and is charged {}",
+                    crate::key::key_hex(k, 8),
+                    l.len,
+                    b.charged
+                ));
+            }
+            *charged.entry(b.tenant).or_default() += b.charged;
+        }
+        charged.retain(|_, b| *b > 0);
+        if charged != st.tenant_bytes {
+            return Err(format!(
+                "tenants' SSD bytes are counted as {:?}, their blocks hold {charged:?}",
+                st.tenant_bytes
+            ));
+        }
         for (id, seg) in &st.segments {
             if let Some(k) = seg
                 .tombs
@@ -417,6 +462,7 @@ pub(super) fn publish(st: &mut State, job: &UnitJob, loc: Option<Loc>, shared: &
         blocks,
         segments,
         children,
+        tenant_bytes,
         ..
     } = st;
     let mut count_commit = |units_in_seg: &mut HashMap<Key, UnitMeta>| {
@@ -466,7 +512,7 @@ pub(super) fn publish(st: &mut State, job: &UnitJob, loc: Option<Loc>, shared: &
     for k in &job.keys {
         if let Some(b) = blocks.get_mut(k) {
             b.pinned = b.pinned.saturating_sub(1);
-            b.covered += 1;
+            super::quota::cover(b, tenant_bytes);
             if b.covered == 1 {
                 let kids = children.entry(b.parent).or_default();
                 if !kids.iter().any(|(_, c)| c == k) {
@@ -498,7 +544,9 @@ pub(super) fn publish(st: &mut State, job: &UnitJob, loc: Option<Loc>, shared: &
         s.live += loc.len;
         s.units.insert(end);
     }
-    let _ = shared;
+    // Puts in flight together (or shared blocks its own put evicted) may take the tenant
+    // past its quota: its other least recently used units make way, never this one.
+    super::quota::settle(st, job.tenant_id, &end, shared);
 }
 
 /// Adds `seg` to a set of segment ids kept as a short vector.
@@ -524,7 +572,7 @@ pub(super) fn remove_unit(st: &mut State, end: &Key) -> Option<UnitMeta> {
     for k in &keys {
         let dead = match st.blocks.get_mut(k) {
             Some(b) => {
-                b.covered = b.covered.saturating_sub(1);
+                super::quota::uncover(b, &mut st.tenant_bytes);
                 b.covered == 0 && b.pinned == 0
             }
             None => false,

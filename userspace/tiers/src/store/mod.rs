@@ -41,6 +41,7 @@ mod open;
 mod options;
 mod pin;
 mod put;
+mod quota;
 mod read;
 mod reclaim;
 mod writer;
@@ -140,6 +141,8 @@ impl SsdStore {
             damaged_reads: get(&c.damaged_reads),
             lookups: get(&c.lookups),
             hits: get(&c.hits),
+            quota_evicted: get(&c.quota_evicted),
+            refused_quota: get(&c.refused_quota),
             poisoned: st.poisoned.clone(),
             recovery: sh.recovery.clone(),
         }

@@ -243,6 +243,7 @@ impl SsdStore {
         }
         let mut blocks: HashMap<Key, BlockMeta> = HashMap::new();
         let mut units: HashMap<Key, UnitMeta> = HashMap::new();
+        let mut tenant_bytes: HashMap<u64, u64> = HashMap::new();
         let mut tombstones: HashMap<Key, TombMeta> = HashMap::new();
         let mut orphans: HashMap<Key, Vec<u64>> = HashMap::new();
         // Each key's newest delete: only commits after its horizon count.
@@ -345,8 +346,10 @@ impl SsdStore {
                         covered: 0,
                         pinned: 0,
                         damaged: false,
+                        tenant: bh.tenant,
+                        charged: 0,
                     });
-                    b.covered += 1;
+                    super::quota::cover(b, &mut tenant_bytes);
                 }
             }
             units.insert(
@@ -453,6 +456,8 @@ impl SsdStore {
             orphans,
             unsynced_frees: HashSet::new(),
             pins: HashMap::new(),
+            tenant_bytes,
+            quotas: HashMap::new(),
         };
         let read_only = opts.read_only;
         let shared = Arc::new(Shared {

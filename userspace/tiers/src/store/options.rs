@@ -228,6 +228,10 @@ pub struct StoreStats {
     pub lookups: u64,
     /// Lookups that found at least one block.
     pub hits: u64,
+    /// Units evicted to keep their tenant within its SSD quota (any age).
+    pub quota_evicted: u64,
+    /// Unit writes refused by their tenant's SSD quota.
+    pub refused_quota: u64,
     /// Why writes are disabled, if they are.
     pub poisoned: Option<String>,
     /// What the last open found.

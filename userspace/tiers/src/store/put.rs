@@ -128,7 +128,8 @@ impl SsdStore {
     ///
     /// # Errors
     /// [`Error::Unaligned`], [`Error::UnitTooLong`], [`Error::BlockTooLarge`],
-    /// [`Error::QueueFull`] (counted), [`Error::ReadOnly`], [`Error::Poisoned`],
+    /// [`Error::QueueFull`] and [`Error::QuotaExceeded`] (counted), [`Error::ReadOnly`],
+    /// [`Error::Poisoned`],
     /// [`Error::Closed`], and the source's errors.
     pub fn put_unit(&self, unit: &UnitWrite<'_>) -> Result<UnitTicket> {
         let sh = &self.shared;
@@ -215,11 +216,25 @@ impl SsdStore {
                                 covered: 0,
                                 pinned: 1,
                                 damaged: false,
+                                tenant: unit.tenant.id(),
+                                charged: 0,
                             },
                         );
                         missing.push(i);
                     }
                 }
+            }
+            // Within the tenant's SSD quota (`quota.rs`): its own oldest units make way.
+            let needed = missing
+                .iter()
+                .map(|&i| {
+                    let tokens = (n - (i * p) as u64).min(p as u64);
+                    super::quota::block_record_bytes(sh, tokens, p as u64)
+                })
+                .sum();
+            if let Err(e) = super::quota::make_room(&mut st, unit.tenant.id(), needed, &end, sh) {
+                unpin(&mut st, &keys);
+                return Err(e);
             }
         }
         // Phase 2 (unlocked): build the new blocks' payloads, and queue them in parts of

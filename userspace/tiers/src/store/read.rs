@@ -301,6 +301,7 @@ impl SsdStore {
             units,
             by_age,
             blocks,
+            tenant_bytes,
             ..
         } = &mut *st;
         let job = match units.get_mut(&end) {
@@ -335,7 +336,7 @@ impl SsdStore {
                     .sum();
                 for k in &keys {
                     if let Some(b) = blocks.get_mut(k) {
-                        b.covered += 1;
+                        super::quota::cover(b, tenant_bytes);
                     }
                 }
                 units.insert(
