@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Subcommand};
 use kvstack_model::init::write_checkpoint;
-use kvstack_model::verify::verify_model;
+use kvstack_model::verify::{ModelVerifyOptions, verify_model_with};
 use kvstack_spec::ModelConfig;
 
 use crate::error::CliError;
@@ -49,6 +49,12 @@ pub struct VerifyModelArgs {
     /// Relative tolerance of f32 tensors (to the tensor's largest magnitude).
     #[arg(long, default_value_t = 1e-4, value_parser = crate::flags::rel_tol)]
     rel_tol: f64,
+    /// Teacher-forced mode: every block starts from the reference's own `streams_in`, so each
+    /// block is checked on its own inputs (and the LM head on the reference's final hidden
+    /// state). Without it: end to end (prefill and decode on the model's own state), with the
+    /// quantized cache elements that differ from the teacher-forced step's counted per layer.
+    #[arg(long)]
+    teacher_forced: bool,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -84,7 +90,12 @@ pub fn run(op: &ModelOp) -> Result<(), CliError> {
 
 /// Runs `kvstack verify model`; fails (exit 1) when a comparison is out of tolerance.
 pub fn verify(a: &VerifyModelArgs) -> Result<(), CliError> {
-    let r = verify_model(&a.config, &a.weights, &a.vectors, a.rel_tol).map_err(CliError::Model)?;
+    let opts = ModelVerifyOptions {
+        rel_tol: a.rel_tol,
+        end_to_end: !a.teacher_forced,
+        teacher_forced: a.teacher_forced,
+    };
+    let r = verify_model_with(&a.config, &a.weights, &a.vectors, &opts).map_err(CliError::Model)?;
     let mut out = std::io::stdout().lock();
     let w = |out: &mut std::io::StdoutLock<'_>, s: String| {
         writeln!(out, "{s}").map_err(CliError::Stdout)
@@ -103,7 +114,7 @@ pub fn verify(a: &VerifyModelArgs) -> Result<(), CliError> {
         w(
             &mut out,
             format!(
-                "{:<8} {:<28} {:<9} {:>6} {:>10} {:>10} {:>6}  ok",
+                "{:<14} {:<32} {:<9} {:>6} {:>10} {:>10} {:>6}  ok",
                 "pass", "tensor", "kind", "rows", "rel", "row rel", "mism"
             ),
         )?;
@@ -111,7 +122,7 @@ pub fn verify(a: &VerifyModelArgs) -> Result<(), CliError> {
             w(
                 &mut out,
                 format!(
-                    "{:<8} {:<28} {:<9} {:>6} {:>10.3e} {:>10.3e} {:>6}  {}",
+                    "{:<14} {:<32} {:<9} {:>6} {:>10.3e} {:>10.3e} {:>6}  {}",
                     t.pass,
                     t.name,
                     t.kind,
@@ -128,6 +139,22 @@ pub fn verify(a: &VerifyModelArgs) -> Result<(), CliError> {
                 &mut out,
                 format!("note: {s}: not compared (absent on one side)"),
             )?;
+        }
+        if !r.cache_flips.is_empty() {
+            w(
+                &mut out,
+                "quantized cache elements that differ from the teacher-forced step's (dequantized):"
+                    .to_string(),
+            )?;
+            for f in &r.cache_flips {
+                w(
+                    &mut out,
+                    format!(
+                        "  layer {:>2} {:<10} {:>8} of {:>9}",
+                        f.layer, f.kind, f.differ, f.elements
+                    ),
+                )?;
+            }
         }
         let failed = r.tensors.iter().filter(|t| !t.passed).count();
         w(

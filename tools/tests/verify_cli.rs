@@ -1,5 +1,6 @@
-//! `kvstack verify attention` end to end: passes on `shared/vectors/csa2`, exits non-zero on
-//! a failed comparison and on malformed input, naming what is wrong.
+//! `kvstack verify attention` and `kvstack verify model` end to end: pass on
+//! `testdata/vectors/csa2`, exit non-zero on a failed comparison and on malformed input, naming
+//! what is wrong; the model's teacher-forced mode and the end-to-end cache-flip table.
 
 // Test code: a failed unwrap is a failed test, with its message.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -96,4 +97,68 @@ fn verify_attention_fails_with_a_nonzero_exit() {
     let o = verify(&[], &missing);
     assert_eq!(o.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&o.stderr).contains("no-such-weights.safetensors"));
+}
+
+fn verify_model(extra: &[&str]) -> Output {
+    let (config, weights, vectors) = (
+        csa2("model_config.json"),
+        csa2("model_weights.released.safetensors"),
+        csa2("model_vectors.safetensors"),
+    );
+    let mut args = vec![
+        "verify",
+        "model",
+        "--config",
+        &config,
+        "--weights",
+        &weights,
+        "--vectors",
+        &vectors,
+    ];
+    args.extend_from_slice(extra);
+    Command::new(env!("CARGO_BIN_EXE_kvstack"))
+        .args(&args)
+        .output()
+        .expect("run kvstack")
+}
+
+#[test]
+fn verify_model_runs_both_modes_and_names_cache_flips_by_layer() {
+    // Teacher-forced: every block on the reference's own inputs.
+    let o = verify_model(&["--teacher-forced", "--json"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let tensors = v["tensors"].as_array().unwrap();
+    assert!(tensors.iter().all(|t| t["pass"] == "teacher-forced"));
+    assert!(tensors.iter().any(|t| t["name"] == "layers.6.streams_out"));
+    assert!(
+        tensors
+            .iter()
+            .any(|t| t["name"] == "logits(reference final_hidden)")
+    );
+    assert!(v["cache_flips"].as_array().unwrap().is_empty());
+
+    // End to end: the flips table, one row per layer and kind, with layer 2's compressed rows.
+    let o = verify_model(&[]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{out}");
+    assert!(out.contains("PASS"), "{out}");
+    assert!(
+        out.lines()
+            .any(|l| l.trim_start().starts_with("layer  2 compressed")),
+        "{out}"
+    );
+    let o = verify_model(&["--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let flips = v["cache_flips"].as_array().unwrap();
+    assert_eq!(
+        flips.iter().filter(|f| f["kind"] == "window").count(),
+        8,
+        "{flips:?}"
+    );
+    assert!(
+        flips
+            .iter()
+            .all(|f| f["differ"].as_u64() <= f["elements"].as_u64())
+    );
 }

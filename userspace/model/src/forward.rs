@@ -126,11 +126,24 @@ pub struct PrefillStep {
     pub decoder_window_start: u64,
 }
 
+/// What a teacher-forced step feeds one block in place of what the blocks before it
+/// computed (`verify model --teacher-forced`): the reference's own inputs of that block.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ForcedInput {
+    /// `[n, hc_mult, hidden]`: the streams entering the block.
+    pub streams: Vec<f32>,
+    /// `[n, hc_mult]`: the HC `pre` weights its attention input is collapsed with (the
+    /// previous block's `ffn_hc.pre`; one-hot on stream 0 before the first block).
+    pub pre: Vec<f32>,
+}
+
 /// What one block computed in a step (for `verify model`).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct BlockTrace {
     /// `[n, hc_mult, hidden]` entering the block.
     pub streams_in: Vec<f32>,
+    /// `[n, hc_mult, hidden]` leaving the block.
+    pub streams_out: Vec<f32>,
     /// `[n, hidden]`: `attn_norm` of the collapsed streams.
     pub attn_input: Vec<f32>,
     /// `[n, hidden]`.
@@ -480,6 +493,7 @@ impl Model {
         if let Some(tr) = trace {
             *tr = BlockTrace {
                 streams_in: streams_in.unwrap_or_default(),
+                streams_out: streams.to_vec(),
                 attn_input,
                 attn_output: y,
                 ffn_input,
@@ -514,7 +528,7 @@ impl Model {
             logits,
             decoder_window_start,
         }];
-        let mut out = self.run_batch(&mut items, trace, layers)?;
+        let mut out = self.run_batch(&mut items, trace, layers, None)?;
         Ok(out.pop().unwrap_or_default())
     }
 
@@ -522,11 +536,13 @@ impl Model {
     /// run through `layers` as one set of rows (HC, norms, router and experts over all rows
     /// at once; attention per member over its own store), then each member commits. Rows do
     /// not interact, so each member's results are those of running it alone.
+    /// With `forced`, block `l` starts from `forced[l]` instead of what block `l - 1` left.
     fn run_batch(
         &self,
         items: &mut [BatchItem<'_>],
         mut trace: Option<&mut ModelTrace>,
         layers: Range<usize>,
+        forced: Option<&[ForcedInput]>,
     ) -> Result<Vec<Vec<f32>>, Error> {
         let (h, ns, v) = (self.dims.hidden, self.dims.hc_mult, self.dims.vocab);
         let mut members = Vec::with_capacity(items.len());
@@ -586,6 +602,9 @@ impl Model {
             t.blocks.clear();
         }
         for l in layers.clone() {
+            if let Some(forced) = forced {
+                force(l, forced.get(l), &mut streams, &mut prev_pre, ns)?;
+            }
             let bt = match trace.as_deref_mut() {
                 Some(t) => {
                     t.blocks.push(BlockTrace::default());
@@ -656,7 +675,7 @@ impl Model {
     /// each, or prefill chunks beside them); returns each member's requested logits. Each
     /// member's results equal those of [`Model::step`] on it alone.
     pub fn step_batch(&self, items: &mut [BatchItem<'_>]) -> Result<Vec<Vec<f32>>, Error> {
-        self.run_batch(items, None, 0..self.dims.layers)
+        self.run_batch(items, None, 0..self.dims.layers, None)
     }
 
     /// One exact step (every layer over every token of `tokens`), committed to `store`;
@@ -669,6 +688,58 @@ impl Model {
         trace: Option<&mut ModelTrace>,
     ) -> Result<Vec<f32>, Error> {
         self.run(store, tokens, logits, trace, 0..self.dims.layers, 0)
+    }
+
+    /// One exact step over `tokens` in which every block starts from the reference's own
+    /// inputs (`forced[l]` for block `l`) instead of what the blocks before it computed, so
+    /// each block is checked on its own: the CSA2 state a block reads still comes from this
+    /// step's earlier layers, computed from their forced inputs. Returns every token's logits;
+    /// `trace` gets every block.
+    ///
+    /// # Errors
+    /// [`Error::ModelInput`] when `forced` does not hold one input of the step's shape per
+    /// layer; the step's own errors.
+    pub fn step_teacher_forced(
+        &self,
+        store: &mut dyn ModelStore,
+        tokens: &[u32],
+        forced: &[ForcedInput],
+        trace: &mut ModelTrace,
+    ) -> Result<Vec<f32>, Error> {
+        if forced.len() != self.dims.layers {
+            return Err(Error::ModelInput(format!(
+                "teacher forcing needs inputs for {} blocks, got {}",
+                self.dims.layers,
+                forced.len()
+            )));
+        }
+        let mut items = [BatchItem {
+            store,
+            tokens,
+            logits: Logits::All,
+            decoder_window_start: 0,
+        }];
+        let mut out = self.run_batch(&mut items, Some(trace), 0..self.dims.layers, Some(forced))?;
+        Ok(out.pop().unwrap_or_default())
+    }
+
+    /// The LM head over `hidden` (`[rows, hidden]`, after the final norm): `[rows, vocab]`
+    /// logits.
+    ///
+    /// # Errors
+    /// [`Error::ModelInput`] when `hidden` is not whole rows.
+    pub fn lm_head(&self, hidden: &[f32]) -> Result<Vec<f32>, Error> {
+        let (h, v) = (self.dims.hidden, self.dims.vocab);
+        if h == 0 || !hidden.len().is_multiple_of(h) {
+            return Err(Error::ModelInput(format!(
+                "lm head input of {} values is not whole rows of {h}",
+                hidden.len()
+            )));
+        }
+        let rows = hidden.len() / h;
+        let mut out = vec![0f32; rows * v];
+        linear(hidden, &self.head, rows, h, v, &mut out).map_err(Error::model_kernel("lm head"))?;
+        Ok(out)
     }
 
     /// Decodes one token; returns its logits.
@@ -821,4 +892,29 @@ impl Model {
         }
         Ok(last)
     }
+}
+
+/// Replaces the streams and the collapse weights entering block `l` with its forced input.
+fn force(
+    l: usize,
+    input: Option<&ForcedInput>,
+    streams: &mut [f32],
+    prev_pre: &mut [HcMix],
+    ns: usize,
+) -> Result<(), Error> {
+    let input = input.ok_or_else(|| Error::ModelInput(format!("no forced input for block {l}")))?;
+    if input.streams.len() != streams.len() || input.pre.len() != prev_pre.len() * ns {
+        return Err(Error::ModelInput(format!(
+            "block {l}: forced streams of {} values and pre of {} for a step of {} and {}",
+            input.streams.len(),
+            input.pre.len(),
+            streams.len(),
+            prev_pre.len() * ns
+        )));
+    }
+    streams.copy_from_slice(&input.streams);
+    for (mix, pre) in prev_pre.iter_mut().zip(input.pre.chunks_exact(ns)) {
+        mix.pre = pre.to_vec();
+    }
+    Ok(())
 }

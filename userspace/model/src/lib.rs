@@ -39,7 +39,8 @@ pub use checkpoint::{BlockWeights, ExpertWeights, HcWeights, ModelWeights, Namin
 pub use dims::ModelDims;
 pub use error::{Error, Result};
 pub use forward::{
-    BatchItem, BlockTrace, Logits, Model, ModelStore, ModelTrace, PrefillMode, PrefillStep,
+    BatchItem, BlockTrace, ForcedInput, Logits, Model, ModelStore, ModelTrace, PrefillMode,
+    PrefillStep,
 };
 pub use storage::{
     dequantize_fp4, dequantize_fp8, encode_fp4, encode_fp8, f32_from_bf16, load_f32,

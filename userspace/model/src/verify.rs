@@ -3,10 +3,20 @@
 //! logits, the final hidden state and every recorded per-block tensor.
 //!
 //! Passes:
-//! - **prefill**: all tokens in one exact step, own state threaded through every layer; every
-//!   recorded tensor compared;
-//! - **decode**: the same tokens one step each (the decode path over the store); logits
-//!   compared.
+//! - **prefill** (end to end): all tokens in one exact step, own state threaded through every
+//!   layer; every recorded tensor compared;
+//! - **decode** (end to end): the same tokens one step each (the decode path over the store);
+//!   logits compared;
+//! - **teacher-forced**: one exact step in which every block starts from the reference's own
+//!   `streams_in` (and the previous block's recorded `ffn_hc.pre`, which its attention input
+//!   is collapsed with), so each block is checked on its own inputs: every block tensor, the
+//!   streams leaving it against the next block's `streams_in`, and the logits the LM head
+//!   makes of the reference's own `final_hidden`.
+//!
+//! The end-to-end mode also counts, per layer, the quantized cache elements (FP8 window rows,
+//! FP4 compressed entries, MXFP4 index keys, dequantized) that differ from those of the
+//! teacher-forced step, whose quantizer inputs come from the reference's own block inputs: a
+//! quantizer input that drifted across a rounding boundary is named by layer, not guessed.
 //!
 //! Comparisons: f32 tensors by the worst absolute difference relative to the tensor's largest
 //! reference magnitude; a tensor passes within `rel_tol` (1e-4). The stricter per-row figure
@@ -25,8 +35,10 @@ use crate::weights::TensorFile;
 use kvstack_spec::config::ModelConfig;
 
 use crate::Error;
+use crate::attention::{ContiguousStore, KvStore};
 use crate::checkpoint::Naming;
-use crate::forward::{Logits, Model, ModelTrace};
+use crate::forward::{ForcedInput, Logits, Model, ModelTrace};
+use kvstack_kernels::csa2::quant::RowCodec;
 
 /// One compared tensor.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -49,6 +61,31 @@ pub struct TensorResult {
     pub passed: bool,
 }
 
+/// Quantized cache elements of one layer and kind that the end-to-end pass stored differently
+/// from the teacher-forced pass.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct CacheFlips {
+    /// The layer (for compressed entries and index keys: the KV or index source).
+    pub layer: usize,
+    /// `window`, `compressed` or `index_keys`.
+    pub kind: &'static str,
+    /// Elements compared.
+    pub elements: usize,
+    /// Elements whose dequantized values differ.
+    pub differ: usize,
+}
+
+/// Which passes [`verify_model_with`] runs.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ModelVerifyOptions {
+    /// Relative tolerance of f32 tensors (1e-4).
+    pub rel_tol: f64,
+    /// The prefill and decode passes, and the cache flips.
+    pub end_to_end: bool,
+    /// The teacher-forced pass.
+    pub teacher_forced: bool,
+}
+
 /// The result of [`verify_model`].
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct ModelVerifyReport {
@@ -64,8 +101,12 @@ pub struct ModelVerifyReport {
     pub tensors: Vec<TensorResult>,
     /// Recorded tensors the model did not produce, or produced tensors the dump lacks.
     pub skipped: Vec<String>,
-    /// Tokens whose greedy choice (argmax of the logits) matches the reference's, prefill pass.
+    /// Tokens whose greedy choice (argmax of the logits) matches the reference's, prefill pass
+    /// (teacher-forced pass when that runs alone).
     pub greedy_agreement: usize,
+    /// End to end: per layer and kind, quantized cache elements that differ from the
+    /// teacher-forced step's (empty when the end-to-end mode did not run).
+    pub cache_flips: Vec<CacheFlips>,
 }
 
 impl ModelVerifyReport {
@@ -150,6 +191,18 @@ impl Sink<'_> {
         ours: &[f32],
         row: usize,
     ) -> Result<(), Error> {
+        self.values_as(pass, name, name, ours, row)
+    }
+
+    /// `ours` against the recorded tensor `name`, reported as `label`.
+    fn values_as(
+        &mut self,
+        pass: &'static str,
+        label: &str,
+        name: &str,
+        ours: &[f32],
+        row: usize,
+    ) -> Result<(), Error> {
         let Some(shape) = self.file.shape(name).map(<[usize]>::to_vec) else {
             self.skipped.push(name.to_owned());
             return Ok(());
@@ -159,7 +212,7 @@ impl Sink<'_> {
         let (max_rel, mismatches) = tensor_errors(ours, &theirs, self.tol);
         self.out.push(TensorResult {
             pass,
-            name: name.to_owned(),
+            name: label.to_owned(),
             kind: "values",
             rows: theirs.len() / row.max(1),
             max_rel,
@@ -170,7 +223,13 @@ impl Sink<'_> {
         Ok(())
     }
 
-    fn sets(&mut self, name: &str, ours: &[BTreeSet<i64>], theirs: Option<Vec<BTreeSet<i64>>>) {
+    fn sets(
+        &mut self,
+        pass: &'static str,
+        name: &str,
+        ours: &[BTreeSet<i64>],
+        theirs: Option<Vec<BTreeSet<i64>>>,
+    ) {
         let Some(theirs) = theirs else {
             self.skipped.push(name.to_owned());
             return;
@@ -181,7 +240,7 @@ impl Sink<'_> {
             ours.len().abs_diff(theirs.len()).max(1)
         };
         self.out.push(TensorResult {
-            pass: "prefill",
+            pass,
             name: name.to_owned(),
             kind: "selection",
             rows: theirs.len(),
@@ -208,77 +267,93 @@ fn flat(
     m.iter().flat_map(|x| f(x).iter().copied()).collect()
 }
 
-/// Runs `verify model` from files.
+/// Runs `verify model` from files, end to end (prefill, decode, cache flips).
 pub fn verify_model(
     config: &Path,
     weights: &Path,
     vectors: &Path,
     rel_tol: f64,
 ) -> Result<ModelVerifyReport, Error> {
+    let opts = ModelVerifyOptions {
+        rel_tol,
+        end_to_end: true,
+        teacher_forced: false,
+    };
+    verify_model_with(config, weights, vectors, &opts)
+}
+
+/// Runs `verify model` from files with the passes of `opts`.
+pub fn verify_model_with(
+    config: &Path,
+    weights: &Path,
+    vectors: &Path,
+    opts: &ModelVerifyOptions,
+) -> Result<ModelVerifyReport, Error> {
     let cfg = ModelConfig::from_file(config).map_err(Error::ModelConfig)?;
     let wfile = TensorFile::open(weights)?;
     let model = Model::load(&cfg, &wfile)?;
     let naming = crate::checkpoint::Naming::detect(&wfile)?;
     let vfile = TensorFile::open(vectors)?;
-    verify_loaded(&model, naming, &vfile, rel_tol)
+    verify_loaded(&model, naming, &vfile, opts)
 }
 
-/// [`verify_model`] with the model and the dump loaded.
-pub fn verify_loaded(
+/// The reference's own inputs of every block: its `streams_in`, and the `ffn_hc.pre` of the
+/// block before (one-hot on stream 0 for the first).
+fn forced_inputs(model: &Model, file: &TensorFile, t: usize) -> Result<Vec<ForcedInput>, Error> {
+    let d = model.dims();
+    let (h, ns) = (d.hidden, d.hc_mult);
+    let mut one_hot = vec![0f32; t * ns];
+    one_hot.iter_mut().step_by(ns.max(1)).for_each(|x| *x = 1.0);
+    let mut out = Vec::with_capacity(d.layers);
+    for l in 0..d.layers {
+        let pre = if l == 0 {
+            one_hot.clone()
+        } else {
+            file.f32(&format!("layers.{}.ffn_hc.pre", l - 1), &[1, t, ns])?
+        };
+        out.push(ForcedInput {
+            streams: file.f32(&format!("layers.{l}.streams_in"), &[1, t, ns, h])?,
+            pre,
+        });
+    }
+    Ok(out)
+}
+
+/// Every recorded tensor of every block of `trace`, under `pass`.
+fn compare_blocks(
+    sink: &mut Sink<'_>,
+    pass: &'static str,
     model: &Model,
-    naming: Naming,
-    file: &TensorFile,
-    rel_tol: f64,
-) -> Result<ModelVerifyReport, Error> {
-    let ids = match file.shape("input_ids") {
-        Some([1, t]) => file.i64("input_ids", &[1, *t])?,
-        other => {
-            return Err(Error::ModelVectors(format!(
-                "{}: `input_ids` has shape {:?}, expected [1, T]",
-                file.path().display(),
-                other
-            )));
-        }
-    };
-    let tokens: Vec<u32> = ids
-        .iter()
-        .map(|&t| u32::try_from(t).map_err(|_| Error::ModelVectors(format!("token id {t}"))))
-        .collect::<Result<_, _>>()?;
-    let (t, h, v) = (tokens.len(), model.dims().hidden, model.dims().vocab);
-    let mut sink = Sink {
-        file,
-        tol: rel_tol,
-        out: Vec::new(),
-        skipped: Vec::new(),
-    };
-    let mut store = model.new_store(None);
-    let mut trace = ModelTrace::default();
-    let logits = model.step(&mut store, &tokens, Logits::All, Some(&mut trace))?;
-    sink.values("prefill", "logits", &logits, v)?;
-    sink.values("prefill", "final_hidden", &trace.final_hidden, h)?;
-    let n = model.dims().hc_mult;
+    trace: &ModelTrace,
+    forced: bool,
+) -> Result<(), Error> {
+    let (h, n) = (model.dims().hidden, model.dims().hc_mult);
+    let file = sink.file;
     for (l, b) in trace.blocks.iter().enumerate() {
         let p = |s: &str| format!("layers.{l}.{s}");
-        sink.values("prefill", &p("streams_in"), &b.streams_in, h)?;
-        sink.values("prefill", &p("attn_input"), &b.attn_input, h)?;
-        sink.values("prefill", &p("attn_output"), &b.attn_output, h)?;
-        sink.values("prefill", &p("ffn_input"), &b.ffn_input, h)?;
-        sink.values("prefill", &p("ffn_output"), &b.ffn_output, h)?;
+        if forced {
+            // The input is the reference's own; what leaves the block is the next one's.
+            if l + 1 < trace.blocks.len() {
+                let next = format!("layers.{}.streams_in", l + 1);
+                sink.values_as(pass, &p("streams_out"), &next, &b.streams_out, h)?;
+            }
+        } else {
+            sink.values(pass, &p("streams_in"), &b.streams_in, h)?;
+        }
+        sink.values(pass, &p("attn_input"), &b.attn_input, h)?;
+        sink.values(pass, &p("attn_output"), &b.attn_output, h)?;
+        sink.values(pass, &p("ffn_input"), &b.ffn_input, h)?;
+        sink.values(pass, &p("ffn_output"), &b.ffn_output, h)?;
         for (site, mix) in [("attn_hc", &b.attn_hc), ("ffn_hc", &b.ffn_hc)] {
+            sink.values(pass, &p(&format!("{site}.pre")), &flat(mix, |m| &m.pre), n)?;
             sink.values(
-                "prefill",
-                &p(&format!("{site}.pre")),
-                &flat(mix, |m| &m.pre),
-                n,
-            )?;
-            sink.values(
-                "prefill",
+                pass,
                 &p(&format!("{site}.post")),
                 &flat(mix, |m| &m.post),
                 n,
             )?;
             sink.values(
-                "prefill",
+                pass,
                 &p(&format!("{site}.comb")),
                 &flat(mix, |m| &m.comb),
                 n * n,
@@ -297,7 +372,7 @@ pub fn verify_loaded(
                 .chunks(*kk)
                 .map(|r| r.iter().copied().collect())
                 .collect();
-            sink.sets(&p("router.indices"), &ours, Some(theirs));
+            sink.sets(pass, &p("router.indices"), &ours, Some(theirs));
             // Our weights in the reference's expert order.
             let mut w = Vec::with_capacity(idx.len());
             for (r, row) in b.routes.iter().zip(idx.chunks(*kk)) {
@@ -309,7 +384,7 @@ pub fn verify_loaded(
                     );
                 }
             }
-            sink.values("prefill", &p("router.weights"), &w, k)?;
+            sink.values(pass, &p("router.weights"), &w, k)?;
         } else {
             sink.skipped.push(p("router.indices"));
         }
@@ -330,7 +405,7 @@ pub fn verify_loaded(
                     .map(|r| r.iter().copied().filter(|&j| j >= 0).collect())
                     .collect()
             });
-            sink.sets(&p("topk_indices"), &ours, theirs);
+            sink.sets(pass, &p("topk_indices"), &ours, theirs);
         }
         if let Some(c) = &b.candidates {
             let name = p("candidates");
@@ -356,36 +431,173 @@ pub fn verify_loaded(
                 .iter()
                 .map(|r| r.iter().map(|&j| i64::from(j)).collect())
                 .collect();
-            sink.sets(&name, &ours, theirs);
+            sink.sets(pass, &name, &ours, theirs);
         }
     }
-    let greedy_agreement = match file.shape("logits").map(<[usize]>::to_vec) {
+    Ok(())
+}
+
+/// Tokens whose greedy choice from `logits` matches the reference's.
+fn greedy(file: &TensorFile, logits: &[f32], v: usize) -> Result<usize, Error> {
+    Ok(match file.shape("logits").map(<[usize]>::to_vec) {
         Some(shape) => {
             let theirs = file.f32("logits", &shape)?;
             logits
-                .chunks(v)
-                .zip(theirs.chunks(v))
+                .chunks(v.max(1))
+                .zip(theirs.chunks(v.max(1)))
                 .filter(|(a, b)| {
                     kvstack_kernels::model::argmax(a) == kvstack_kernels::model::argmax(b)
                 })
                 .count()
         }
         None => 0,
-    };
-    // Decode pass: one token per step.
-    let mut store = model.new_store(None);
-    let mut all = Vec::with_capacity(t * v);
-    for &tok in &tokens {
-        all.extend(model.decode(&mut store, tok)?);
+    })
+}
+
+/// Dequantized rows of `bytes` (whole rows of `codec`), compared element by element.
+fn count_flips(codec: RowCodec, ours: &[u8], theirs: &[u8]) -> Result<(usize, usize), Error> {
+    let rows = ours.len().min(theirs.len()) / codec.bytes().max(1);
+    let n = rows * codec.bytes();
+    let mut a = vec![0f32; rows * codec.dim()];
+    let mut b = vec![0f32; rows * codec.dim()];
+    let what = "cache flips: dequantize";
+    codec
+        .dequantize(&ours[..n], &mut a)
+        .map_err(Error::model_kernel(what))?;
+    codec
+        .dequantize(&theirs[..n], &mut b)
+        .map_err(Error::model_kernel(what))?;
+    let differ = a
+        .iter()
+        .zip(&b)
+        .filter(|(x, y)| x.to_bits() != y.to_bits())
+        .count();
+    // Rows only one of them holds count as differing whole.
+    let extra = ours.len().abs_diff(theirs.len()) / codec.bytes().max(1) * codec.dim();
+    Ok((a.len() + extra, differ + extra))
+}
+
+/// Per layer, the quantized cache elements the end-to-end store holds differently from the
+/// teacher-forced one.
+fn cache_flips(
+    model: &Model,
+    ours: &ContiguousStore,
+    forced: &ContiguousStore,
+) -> Result<Vec<CacheFlips>, Error> {
+    let attn = model.attention();
+    let wc = attn.window_codec();
+    let mut out = Vec::new();
+    for l in 0..model.dims().layers {
+        let rows = |s: &ContiguousStore| -> Vec<u8> {
+            (0..s.len())
+                .filter_map(|p| s.window_row(l, p))
+                .flat_map(|r| r.iter().copied())
+                .collect()
+        };
+        let (elements, differ) = count_flips(wc, &rows(ours), &rows(forced))?;
+        out.push(CacheFlips {
+            layer: l,
+            kind: "window",
+            elements,
+            differ,
+        });
+        let (a, b) = (ours.compressed_rows(l), forced.compressed_rows(l));
+        if !a.is_empty() || !b.is_empty() {
+            let (elements, differ) = count_flips(attn.entry_codec(), a, b)?;
+            out.push(CacheFlips {
+                layer: l,
+                kind: "compressed",
+                elements,
+                differ,
+            });
+        }
+        let (a, b) = (ours.index_key_rows(l), forced.index_key_rows(l));
+        if let Some(kc) = attn.key_codec()
+            && (!a.is_empty() || !b.is_empty())
+        {
+            let (elements, differ) = count_flips(kc, a, b)?;
+            out.push(CacheFlips {
+                layer: l,
+                kind: "index_keys",
+                elements,
+                differ,
+            });
+        }
     }
-    sink.values("decode", "logits", &all, v)?;
+    Ok(out)
+}
+
+/// [`verify_model_with`] with the model and the dump loaded.
+pub fn verify_loaded(
+    model: &Model,
+    naming: Naming,
+    file: &TensorFile,
+    opts: &ModelVerifyOptions,
+) -> Result<ModelVerifyReport, Error> {
+    let ids = match file.shape("input_ids") {
+        Some([1, t]) => file.i64("input_ids", &[1, *t])?,
+        other => {
+            return Err(Error::ModelVectors(format!(
+                "{}: `input_ids` has shape {:?}, expected [1, T]",
+                file.path().display(),
+                other
+            )));
+        }
+    };
+    let tokens: Vec<u32> = ids
+        .iter()
+        .map(|&t| u32::try_from(t).map_err(|_| Error::ModelVectors(format!("token id {t}"))))
+        .collect::<Result<_, _>>()?;
+    let (t, h, v) = (tokens.len(), model.dims().hidden, model.dims().vocab);
+    let mut sink = Sink {
+        file,
+        tol: opts.rel_tol,
+        out: Vec::new(),
+        skipped: Vec::new(),
+    };
+    // The teacher-forced step runs for either mode: its store is what the end-to-end cache
+    // is compared with.
+    let forced = forced_inputs(model, file, t)?;
+    let mut forced_store = model.new_store(None);
+    let mut ft = ModelTrace::default();
+    let forced_logits = model.step_teacher_forced(&mut forced_store, &tokens, &forced, &mut ft)?;
+    let mut greedy_agreement = 0;
+    if opts.teacher_forced {
+        let pass = "teacher-forced";
+        sink.values(pass, "logits", &forced_logits, v)?;
+        sink.values(pass, "final_hidden", &ft.final_hidden, h)?;
+        let theirs = file.f32("final_hidden", &[1, t, h])?;
+        let head = model.lm_head(&theirs)?;
+        sink.values_as(pass, "logits(reference final_hidden)", "logits", &head, v)?;
+        compare_blocks(&mut sink, pass, model, &ft, true)?;
+        greedy_agreement = greedy(file, &forced_logits, v)?;
+    }
+    let mut flips = Vec::new();
+    if opts.end_to_end {
+        let mut store = model.new_store(None);
+        let mut trace = ModelTrace::default();
+        let logits = model.step(&mut store, &tokens, Logits::All, Some(&mut trace))?;
+        sink.values("prefill", "logits", &logits, v)?;
+        sink.values("prefill", "final_hidden", &trace.final_hidden, h)?;
+        compare_blocks(&mut sink, "prefill", model, &trace, false)?;
+        greedy_agreement = greedy(file, &logits, v)?;
+        flips = cache_flips(model, &store, &forced_store)?;
+        // Decode pass: one token per step.
+        let mut store = model.new_store(None);
+        let mut all = Vec::with_capacity(t * v);
+        for &tok in &tokens {
+            all.extend(model.decode(&mut store, tok)?);
+        }
+        sink.values("decode", "logits", &all, v)?;
+    }
     Ok(ModelVerifyReport {
         tokens: t,
         layers: model.dims().layers,
         naming: format!("{naming:?}"),
-        rel_tol,
+        rel_tol: opts.rel_tol,
         tensors: sink.out,
         skipped: sink.skipped,
         greedy_agreement,
+        cache_flips: flips,
     })
 }

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 use kvstack_kernels::model::argmax;
 use kvstack_model::init::{random_model, write_checkpoint};
-use kvstack_model::verify::{row_errors, verify_model};
+use kvstack_model::verify::{ModelVerifyOptions, row_errors, verify_model, verify_model_with};
 use kvstack_model::weights::TensorFile;
 use kvstack_model::{Logits, Model, PrefillMode};
 use kvstack_spec::config::ModelConfig;
@@ -68,6 +68,84 @@ fn verify_model_nemo_naming() {
 #[test]
 fn verify_model_released_naming() {
     check("model_weights.released.safetensors");
+}
+
+/// Teacher forcing: every block fed the reference's own inputs passes at 1e-4 on its own; and
+/// the end-to-end pass names, per layer, the quantized cache elements its drift flipped.
+#[test]
+fn teacher_forced_blocks_pass_and_end_to_end_flips_are_counted() {
+    let opts = ModelVerifyOptions {
+        rel_tol: 1e-4,
+        end_to_end: true,
+        teacher_forced: true,
+    };
+    let r = verify_model_with(
+        &path("model_config.json"),
+        &path("model_weights.released.safetensors"),
+        &path("model_vectors.safetensors"),
+        &opts,
+    )
+    .unwrap();
+    let tf: Vec<_> = r
+        .tensors
+        .iter()
+        .filter(|t| t.pass == "teacher-forced")
+        .collect();
+    for t in &tf {
+        if !t.passed || t.row_rel > 1e-5 {
+            eprintln!(
+                "{} {} tensor {:e} row {:e} mismatches {}",
+                if t.passed { "ok  " } else { "FAIL" },
+                t.name,
+                t.max_rel,
+                t.row_rel,
+                t.mismatches
+            );
+        }
+    }
+    let worst = tf
+        .iter()
+        .filter(|t| t.kind == "values")
+        .fold(0f64, |m, t| m.max(t.max_rel));
+    eprintln!(
+        "teacher-forced: {} tensors, worst relative error {worst:e}, greedy {}/{}",
+        tf.len(),
+        r.greedy_agreement,
+        r.tokens
+    );
+    assert!(r.passed(), "a pass failed");
+    assert!(r.skipped.is_empty(), "{:?}", r.skipped);
+    // logits, final_hidden, head on the reference's hidden, and per block its tensors and
+    // (but for the last) the streams leaving it.
+    assert!(tf.len() >= 3 + 8 * 11, "{}", tf.len());
+    assert!(tf.iter().any(|t| t.name == "layers.6.streams_out"));
+    assert!(
+        tf.iter()
+            .any(|t| t.name == "logits(reference final_hidden)" && t.passed)
+    );
+    // Cache flips: every layer's window rows (64 tokens x head_dim 64), the KV sources'
+    // compressed entries (layer 2 at ratio 2, layer 5 at ratio 1) and index keys (dim 32).
+    let f = |l: usize, kind: &str| {
+        r.cache_flips
+            .iter()
+            .find(|c| c.layer == l && c.kind == kind)
+            .unwrap_or_else(|| panic!("no {kind} flips for layer {l}"))
+    };
+    for c in &r.cache_flips {
+        eprintln!(
+            "layer {} {}: {} of {} differ",
+            c.layer, c.kind, c.differ, c.elements
+        );
+        assert!(c.differ <= c.elements);
+    }
+    for l in 0..8 {
+        assert_eq!(f(l, "window").elements, 64 * 64);
+    }
+    assert_eq!(f(2, "compressed").elements, 32 * 64);
+    assert_eq!(f(5, "compressed").elements, 64 * 64);
+    assert_eq!(f(2, "index_keys").elements, 32 * 32);
+    assert_eq!(f(5, "index_keys").elements, 64 * 32);
+    assert_eq!(r.cache_flips.len(), 8 + 2 + 2);
 }
 
 /// CED vs exact prefill on the reference tiny model (window 16): a 200-token prompt, then the
