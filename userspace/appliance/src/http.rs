@@ -139,7 +139,13 @@ async fn readyz(State(s): St) -> Response {
 
 async fn metrics(State(s): St) -> Response {
     let tiers = s.shared.tiers.read().ok().and_then(|t| t.clone());
-    let body = s.metrics.encode(tiers.as_deref(), &s.shared.waiting);
+    let tenants: Vec<String> = {
+        let cfg = s.config.read().unwrap_or_else(|e| e.into_inner());
+        cfg.tenants.iter().map(|t| t.name.clone()).collect()
+    };
+    let body = s
+        .metrics
+        .encode(tiers.as_deref(), &tenants, &s.shared.waiting);
     (
         [(
             header::CONTENT_TYPE,

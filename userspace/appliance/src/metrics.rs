@@ -87,6 +87,10 @@ pub struct Metrics {
     ssd_lookups: Gauge,
     ssd_hits: Gauge,
     ssd_bytes_written: Gauge,
+    tenant_pool_bytes: Family<TenantLabel, Gauge>,
+    tenant_pool_quota: Family<TenantLabel, Gauge>,
+    tenant_ssd_bytes: Family<TenantLabel, Gauge>,
+    tenant_ssd_quota: Family<TenantLabel, Gauge>,
 }
 
 impl Default for Metrics {
@@ -132,6 +136,10 @@ impl Metrics {
             ssd_lookups: Gauge::default(),
             ssd_hits: Gauge::default(),
             ssd_bytes_written: Gauge::default(),
+            tenant_pool_bytes: Family::default(),
+            tenant_pool_quota: Family::default(),
+            tenant_ssd_bytes: Family::default(),
+            tenant_ssd_quota: Family::default(),
             registry: Registry::default(),
         };
         r.register(
@@ -266,6 +274,26 @@ impl Metrics {
             "SSD record bytes written",
             m.ssd_bytes_written.clone(),
         );
+        r.register(
+            "tenant_dram_pool_bytes",
+            "DRAM window pool bytes a tenant's snapshots take (whole slots)",
+            m.tenant_pool_bytes.clone(),
+        );
+        r.register(
+            "tenant_dram_pool_quota_bytes",
+            "A tenant's DRAM window pool quota (only tenants that have one)",
+            m.tenant_pool_quota.clone(),
+        );
+        r.register(
+            "tenant_ssd_bytes",
+            "SSD bytes a tenant's KV blocks take (their records as laid out on disk)",
+            m.tenant_ssd_bytes.clone(),
+        );
+        r.register(
+            "tenant_ssd_quota_bytes",
+            "A tenant's SSD quota (only tenants that have one)",
+            m.tenant_ssd_quota.clone(),
+        );
         Metrics { registry: r, ..m }
     }
 
@@ -315,8 +343,14 @@ impl Metrics {
         self.sessions.set(to_i64(sessions as u64));
     }
 
-    /// The text exposition, with the tiers' gauges read now.
-    pub fn encode(&self, tiers: Option<&Tiers>, queue_depth: &AtomicU64) -> String {
+    /// The text exposition, with the tiers' gauges read now; `tenants` are the current
+    /// config's tenant names, whose DRAM pool and SSD bytes (and quotas) are read per tenant.
+    pub fn encode(
+        &self,
+        tiers: Option<&Tiers>,
+        tenants: &[String],
+        queue_depth: &AtomicU64,
+    ) -> String {
         self.queue_depth.set(to_i64(
             queue_depth.load(std::sync::atomic::Ordering::Acquire),
         ));
@@ -339,12 +373,45 @@ impl Metrics {
             self.ssd_lookups.set(to_i64(s.lookups));
             self.ssd_hits.set(to_i64(s.hits));
             self.ssd_bytes_written.set(to_i64(s.bytes_written));
+            self.tenant_gauges(t, tenants);
         }
         let mut out = String::new();
         if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {
             out.clear();
         }
         out
+    }
+}
+
+impl Metrics {
+    /// Per-tenant gauges, rebuilt at each scrape so a tenant removed by `SIGHUP` (or a quota
+    /// dropped) leaves no stale series behind.
+    fn tenant_gauges(&self, t: &Tiers, tenants: &[String]) {
+        for f in [
+            &self.tenant_pool_bytes,
+            &self.tenant_pool_quota,
+            &self.tenant_ssd_bytes,
+            &self.tenant_ssd_quota,
+        ] {
+            f.clear();
+        }
+        for name in tenants {
+            let cache = kvstack_tiers::Tenant::new(name);
+            let label = TenantLabel {
+                tenant: name.clone(),
+            };
+            let set = |f: &Family<TenantLabel, Gauge>, v: u64| {
+                f.get_or_create(&label).set(to_i64(v));
+            };
+            set(&self.tenant_pool_bytes, t.dram_bytes(&cache));
+            set(&self.tenant_ssd_bytes, t.ssd_bytes(&cache));
+            if let Some(q) = t.dram_quota(&cache) {
+                set(&self.tenant_pool_quota, q);
+            }
+            if let Some(q) = t.ssd_quota(&cache) {
+                set(&self.tenant_ssd_quota, q);
+            }
+        }
     }
 }
 

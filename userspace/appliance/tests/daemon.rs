@@ -377,6 +377,24 @@ fn dram_pool_quotas_bound_each_tenant_and_reload() {
     }
     // a's quota of zero did not change what it reads: its unit is on the SSD.
     assert!(la["tokens"].as_u64() > Some(0), "{la}");
+    // /metrics reports each tenant's pool bytes and quota as the lookups do.
+    let (st, m) = d.req("GET", "/metrics", None, "");
+    assert_eq!(st, 200);
+    let gauge = |name: &str| -> u64 {
+        m.lines()
+            .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{name} missing in {m}"))
+    };
+    assert_eq!(gauge("kvstack_tenant_dram_pool_bytes{tenant=\"a\"} "), 0);
+    assert_eq!(gauge("kvstack_tenant_dram_pool_bytes{tenant=\"b\"} "), slot);
+    assert_eq!(
+        gauge("kvstack_tenant_dram_pool_quota_bytes{tenant=\"a\"} "),
+        0
+    );
+    assert_eq!(
+        gauge("kvstack_tenant_dram_pool_quota_bytes{tenant=\"b\"} "),
+        slot
+    );
     assert_eq!(d.stop(), 0);
 }
 
@@ -469,6 +487,17 @@ fn ssd_quotas_bound_each_tenant_refuse_puts_and_reload() {
     };
     assert!(gauge("kvstack_ssd_quota_evicted_units ") >= 1);
     assert!(gauge("kvstack_ssd_quota_refused_puts ") >= 2);
+    // The per-tenant gauges say what the lookups say; b has no quota series.
+    assert_eq!(gauge("kvstack_tenant_ssd_bytes{tenant=\"a\"} "), used);
+    assert_eq!(gauge("kvstack_tenant_ssd_bytes{tenant=\"b\"} "), unit);
+    assert_eq!(
+        gauge("kvstack_tenant_ssd_quota_bytes{tenant=\"a\"} "),
+        quota
+    );
+    assert!(
+        !m.contains("kvstack_tenant_ssd_quota_bytes{tenant=\"b\"}"),
+        "{m}"
+    );
     assert_eq!(d.stop(), 0);
 }
 
