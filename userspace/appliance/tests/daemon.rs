@@ -14,7 +14,7 @@ struct Daemon {
 
 impl Daemon {
     fn start(dir: &Path, config: &str) -> Daemon {
-        Daemon::start_with(dir, config, None, &[])
+        Daemon::start_with(dir, config, None, &[], 1 << 30)
     }
 
     /// `activate`: the socket systemd-socket-activate listens on (the config's own address
@@ -24,13 +24,14 @@ impl Daemon {
         config: &str,
         activate: Option<&Path>,
         env: &[(&str, String)],
+        ssd_bytes: u64,
     ) -> Daemon {
         let sock = dir.join("kvstackd.sock");
         let cfg = dir.join("kvstackd.toml");
         std::fs::write(
             &cfg,
             format!(
-                "data_dir = \"{}\"\nlisten = [\"unix:{}\"]\n[window_pool]\ncapacity_bytes = 67108864\n[ssd]\ncapacity_bytes = 1073741824\n[engine]\nthreads = 1\nmax_sequences = 8\ncontext_limit = 4096\n{config}",
+                "data_dir = \"{}\"\nlisten = [\"unix:{}\"]\n[window_pool]\ncapacity_bytes = 67108864\n[ssd]\ncapacity_bytes = {ssd_bytes}\n[engine]\nthreads = 1\nmax_sequences = 8\ncontext_limit = 4096\n{config}",
                 dir.join("data").display(),
                 sock.display()
             ),
@@ -553,7 +554,7 @@ fn socket_activation_and_sd_notify() {
         ("NOTIFY_SOCKET", notify.display().to_string()),
         ("WATCHDOG_USEC", "400000".to_string()),
     ];
-    let d = Daemon::start_with(dir.path(), "", Some(&passed), &env);
+    let d = Daemon::start_with(dir.path(), "", Some(&passed), &env, 1 << 30);
     // It serves on the passed socket and never binds its configured one.
     let (st, _) = d.req(
         "POST",
@@ -876,11 +877,15 @@ fn kill9_campaign(cycles: u32) {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::{Arc, Mutex};
     let dir = tempfile::tempdir().unwrap();
-    let d = Daemon::start(dir.path(), "");
+    // Room for every round's puts (about 1,000 units of ~100 KiB a round here): a full store
+    // refuses puts with 507, which is not what this campaign tests. Segments are written as
+    // they fill, so the disk holds what was put, not the capacity.
+    let ssd = u64::from(cycles) * (256 << 20);
+    let start = |dir: &Path| Daemon::start_with(dir, "", None, &[], ssd);
+    let d = start(dir.path());
     // A template unit: real KV of the built-in model, whose bytes every put reuses under
-    // other tokens (the server checks sizes and CRCs, not what the KV means).
-    // 100 tokens: small units, so that ten rounds of puts stay well inside the store's
-    // 1 GiB (a full store refuses puts with 507, which is not what this campaign tests).
+    // other tokens (the server checks sizes and CRCs, not what the KV means); 100 tokens
+    // keep units small.
     let prompt: Vec<u32> = (0..100).map(|i| (i * 5 + 2) % 250).collect();
     let req = serde_json::json!({"prompt": prompt, "max_tokens": 1}).to_string();
     d.json("/v1/completions", None, &req);
@@ -934,7 +939,7 @@ fn kill9_campaign(cycles: u32) {
     let mut checked = 0usize;
     for cycle in 0..cycles {
         let last = cycle + 1 == cycles;
-        let d = Arc::new(Daemon::start(dir.path(), ""));
+        let d = Arc::new(start(dir.path()));
         // What the previous round acknowledged (earlier rounds were checked already).
         check(&d, &acked.lock().unwrap()[checked..], None);
         checked = acked.lock().unwrap().len();
@@ -981,7 +986,7 @@ fn kill9_campaign(cycles: u32) {
                         }
                     }
                     k += 1;
-                    // Paced, so that the store's 1 GiB holds every round's puts.
+                    // Paced, so that the store holds every round's puts.
                     std::thread::sleep(Duration::from_millis(10));
                 }
             }));
@@ -1030,7 +1035,7 @@ fn kill9_campaign(cycles: u32) {
         );
         puts_total = now;
     }
-    let d = Daemon::start(dir.path(), "");
+    let d = start(dir.path());
     let acked = acked.lock().unwrap();
     assert!(
         acked.len() > cycles as usize,
