@@ -5,7 +5,7 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use clap::{Args, Subcommand};
-use kvstack_model::init::write_checkpoint;
+use kvstack_model::init::{write_checkpoint, write_sharded_checkpoint};
 use kvstack_model::verify::{ModelVerifyOptions, verify_model_with};
 use kvstack_spec::ModelConfig;
 
@@ -26,12 +26,17 @@ pub struct InitArgs {
     /// Model config (`config.json`); `builtin-tiny` for the embedded tiny V4.1 model.
     #[arg(long)]
     config: String,
-    /// Output safetensors file.
+    /// Output: a safetensors file, or with --shards the checkpoint's directory.
     #[arg(long)]
     out: PathBuf,
     /// Seed of the weights.
     #[arg(long, default_value_t = 4101)]
     seed: u64,
+    /// Write a sharded checkpoint in the released layout: `--out` is a directory holding
+    /// `model-0000i-of-0000N.safetensors` and `model.safetensors.index.json` (the same weights
+    /// as the single file of the same seed).
+    #[arg(long, value_parser = crate::flags::count::<usize>(1, 4096))]
+    shards: Option<usize>,
 }
 
 /// Arguments of `kvstack verify model`.
@@ -40,7 +45,8 @@ pub struct VerifyModelArgs {
     /// Model config (`config.json`).
     #[arg(long)]
     config: PathBuf,
-    /// Weights (safetensors; released or NeMo naming; F32/BF16/FP8/FP4 storage).
+    /// Weights: a safetensors file, or a sharded checkpoint (its directory or its
+    /// `model.safetensors.index.json`); released or NeMo naming; F32/BF16/FP8/FP4 storage.
     #[arg(long)]
     weights: PathBuf,
     /// Reference dump (`input_ids`, `logits`, `final_hidden`, `layers.{l}.*`).
@@ -72,12 +78,19 @@ pub fn run(op: &ModelOp) -> Result<(), CliError> {
     match op {
         ModelOp::Init(a) => {
             let cfg = config(&a.config)?;
-            let s = write_checkpoint(&cfg, a.seed, &a.out).map_err(CliError::Model)?;
+            let s = match a.shards {
+                Some(n) => write_sharded_checkpoint(&cfg, a.seed, &a.out, n),
+                None => write_checkpoint(&cfg, a.seed, &a.out),
+            }
+            .map_err(CliError::Model)?;
             let mut out = std::io::stdout().lock();
             writeln!(
                 out,
-                "wrote {}: {} tensors, {} parameters, {} bytes of tensor data (seed {})",
+                "wrote {}{}: {} tensors, {} parameters, {} bytes of tensor data (seed {})",
                 a.out.display(),
+                a.shards
+                    .map(|n| format!(" ({n} shards and {})", kvstack_model::shards::INDEX_FILE))
+                    .unwrap_or_default(),
                 s.tensors,
                 s.parameters,
                 s.bytes,

@@ -28,6 +28,7 @@ use kvstack_engine::{
 };
 use kvstack_kernels::model::Sampling;
 use kvstack_model::PrefillMode;
+use kvstack_model::tokenizer::{ByteLevel, Tokenizer};
 use serde::Serialize;
 
 use crate::error::CliError;
@@ -96,6 +97,20 @@ pub struct RunArgs {
     /// Print the summary as one JSON object.
     #[arg(long)]
     json: bool,
+    /// Complete this text instead of running the agent workload: it is tokenized (the
+    /// checkpoint's `tokenizer.json`, else byte-level), served through the tiers like any
+    /// request, and the generated text streams to stdout (`--decode-tokens` of it at most, up
+    /// to the end-of-sequence token); one summary line goes to stderr (`--json`: one object on
+    /// stdout instead).
+    #[arg(long, conflicts_with_all = ["sessions", "turns", "system_tokens", "tool_tokens", "user_tokens", "keep_live"])]
+    prompt: Option<String>,
+    /// A checkpoint's `config.json`, to run it instead of the built-in model (with --weights).
+    #[arg(long, requires = "weights")]
+    config: Option<PathBuf>,
+    /// The checkpoint's weights: a safetensors file, or a sharded checkpoint (its directory or
+    /// its `model.safetensors.index.json`); a `tokenizer.json` beside them is its tokenizer.
+    #[arg(long, requires = "config")]
+    weights: Option<PathBuf>,
 }
 
 /// Deterministic workload tokens.
@@ -143,10 +158,20 @@ fn check(a: &RunArgs) -> Result<(), CliError> {
     Ok(())
 }
 
-/// Runs `kvstack run`.
-pub fn run(a: &RunArgs) -> Result<(), CliError> {
-    check(a)?;
-    let mut opts = ServiceOptions::new(ModelSource::BuiltinTiny { seed: a.seed });
+/// The model `a` names: a checkpoint, or the built-in model of its seed.
+fn model_source(a: &RunArgs) -> ModelSource {
+    match (&a.config, &a.weights) {
+        (Some(config), Some(weights)) => ModelSource::Checkpoint {
+            config: config.clone(),
+            weights: weights.clone(),
+        },
+        _ => ModelSource::BuiltinTiny { seed: a.seed },
+    }
+}
+
+/// The service `a` asks for, serving at most `sequences` sequences at once.
+fn service_options(a: &RunArgs, sequences: usize) -> Result<ServiceOptions, CliError> {
+    let mut opts = ServiceOptions::new(model_source(a));
     if !a.no_tiers {
         std::fs::create_dir_all(&a.data_dir).map_err(CliError::Stdout)?;
         opts = opts.with_data_dir(&a.data_dir);
@@ -161,22 +186,188 @@ pub fn run(a: &RunArgs) -> Result<(), CliError> {
         keep_live: a.keep_live,
         cache: CacheOptions {
             context_limit: CONTEXT_LIMIT,
-            max_sequences: a.sessions + 1,
+            max_sequences: sequences,
             ..CacheOptions::default()
         },
         ..EngineOptions::default()
     };
-    let mut engine = Service::open(opts).map_err(CliError::Runtime)?;
-    let load = engine.load_time();
-    let recovery = engine.recovery_seconds();
-    let vocab = engine.engine().model().dims().vocab;
-    let sampling = match a.temperature {
+    Ok(opts)
+}
+
+/// The sampling `a` asks for.
+fn sampling(a: &RunArgs) -> Sampling {
+    match a.temperature {
         Some(t) => Sampling::TopP {
             temperature: t,
             top_p: a.top_p,
         },
         None => Sampling::Greedy,
-    };
+    }
+}
+
+/// `eos_token_id` of a `config.json` (top level, else in `text_config`), if it has one.
+fn eos_token_id(config: &std::path::Path) -> Result<Option<u32>, CliError> {
+    let bytes = kvstack_spec::files::read_regular(config, kvstack_spec::files::MAX_CONFIG_BYTES)
+        .map_err(|e| CliError::Usage {
+            flag: "--config",
+            reason: format!("{}: {e}", config.display()),
+        })?;
+    let v: serde_json::Value = serde_json::from_slice(&bytes).map_err(CliError::Json)?;
+    let id = v
+        .get("eos_token_id")
+        .or_else(|| v.get("text_config").and_then(|t| t.get("eos_token_id")))
+        .and_then(serde_json::Value::as_u64);
+    Ok(id.and_then(|i| u32::try_from(i).ok()))
+}
+
+/// What `kvstack run --prompt --json` prints.
+#[derive(Serialize)]
+struct PromptSummary {
+    /// The generated text.
+    text: String,
+    /// The generated token ids.
+    tokens: Vec<u32>,
+    /// Tokens of the prompt.
+    prompt_tokens: usize,
+    /// `stop` (the end-of-sequence token) or `length` (`--decode-tokens`).
+    finish_reason: &'static str,
+    /// The tokenizer: `byte-level` or its `tokenizer.json`.
+    tokenizer: String,
+    /// Time to first token (ms) and its queueing part.
+    ttft_ms: f64,
+    /// Where the context came from.
+    reuse: kvstack_engine::Reuse,
+}
+
+/// `kvstack run --prompt TEXT`: one completion, its text streamed to stdout.
+fn run_prompt(a: &RunArgs, text: &str) -> Result<(), CliError> {
+    let mut engine = Service::open(service_options(a, 2)?).map_err(CliError::Runtime)?;
+    let vocab = engine.engine().model().dims().vocab as u32;
+    let tokenizer = match (&a.config, &a.weights) {
+        (Some(c), Some(w)) => Tokenizer::for_weights(w, vocab, eos_token_id(c)?),
+        _ => ByteLevel::new(vocab).map(Tokenizer::Bytes),
+    }
+    .map_err(CliError::Model)?;
+    let prompt = tokenizer.encode(text).map_err(CliError::Model)?;
+    if prompt.is_empty() {
+        return Err(CliError::Usage {
+            flag: "--prompt",
+            reason: "the text has no tokens".into(),
+        });
+    }
+    let session = engine.open_session("prompt");
+    let id = engine
+        .submit(
+            session,
+            RequestSpec {
+                tokens: prompt.clone(),
+                max_new_tokens: a.decode_tokens,
+                sampling: sampling(a),
+                seed: a.seed,
+            },
+        )
+        .map_err(CliError::Runtime)?;
+    let mut out = std::io::stdout().lock();
+    let (mut generated, mut printed) = (Vec::new(), 0usize);
+    let mut done = None;
+    let mut finish_reason = "length";
+    while done.is_none() {
+        if engine.is_idle() {
+            return Err(CliError::Usage {
+                flag: "--prompt",
+                reason: "the engine went idle before the request finished".into(),
+            });
+        }
+        for ev in engine.step().map_err(CliError::Runtime)? {
+            match ev {
+                Event::FirstToken { token, .. } | Event::Token { token, .. } => {
+                    generated.push(token);
+                    if tokenizer.eos() == Some(token) {
+                        finish_reason = "stop";
+                        done = engine.stop(id);
+                    }
+                    if !a.json {
+                        // A token may end inside a UTF-8 character: hold back the
+                        // replacement characters at the end until it completes.
+                        let full = tokenizer.decode(&generated);
+                        let ready = full.trim_end_matches('\u{FFFD}');
+                        if ready.len() > printed && ready.is_char_boundary(printed) {
+                            write!(out, "{}", &ready[printed..]).map_err(CliError::Stdout)?;
+                            out.flush().map_err(CliError::Stdout)?;
+                            printed = ready.len();
+                        }
+                    }
+                }
+                Event::Finished(c) => done = Some(c),
+                Event::Failed { error, .. } => {
+                    return Err(CliError::Usage {
+                        flag: "--prompt",
+                        reason: format!("the request failed: {error}"),
+                    });
+                }
+            }
+        }
+    }
+    engine.flush().map_err(CliError::Runtime)?;
+    let c = done.ok_or_else(|| CliError::Usage {
+        flag: "--prompt",
+        reason: "no completion".into(),
+    })?;
+    engine.close().map_err(CliError::Runtime)?;
+    let full = tokenizer.decode(&c.tokens);
+    if a.json {
+        let s = PromptSummary {
+            text: full,
+            tokens: c.tokens.clone(),
+            prompt_tokens: prompt.len(),
+            finish_reason,
+            tokenizer: tokenizer.describe(),
+            ttft_ms: c.ttft.as_secs_f64() * 1e3,
+            reuse: c.reuse,
+        };
+        let text = serde_json::to_string_pretty(&s).map_err(CliError::Json)?;
+        writeln!(out, "{text}").map_err(CliError::Stdout)?;
+    } else {
+        if full.len() > printed {
+            write!(out, "{}", &full[printed.min(full.len())..]).map_err(CliError::Stdout)?;
+        }
+        writeln!(out).map_err(CliError::Stdout)?;
+        let r = &c.reuse;
+        eprintln!(
+            "prompt {} tokens ({}): {} from the tiers (paged cache {}, SSD {}, window {}), {} computed; {} generated ({finish_reason}); time to first token {:.1} ms ({:.1} queued), {:.2} s in all",
+            prompt.len(),
+            tokenizer.describe(),
+            r.live_tokens + r.mapped_tokens + r.ssd_tokens,
+            r.mapped_tokens,
+            r.ssd_tokens,
+            if r.window_from_pool {
+                "from the DRAM pool"
+            } else {
+                "replayed or computed"
+            },
+            r.computed_tokens,
+            c.tokens.len(),
+            c.ttft.as_secs_f64() * 1e3,
+            c.ttft_queued.as_secs_f64() * 1e3,
+            c.total.as_secs_f64()
+        );
+    }
+    Ok(())
+}
+
+/// Runs `kvstack run`.
+pub fn run(a: &RunArgs) -> Result<(), CliError> {
+    if let Some(text) = &a.prompt {
+        return run_prompt(a, text);
+    }
+    check(a)?;
+    let opts = service_options(a, a.sessions + 1)?;
+    let mut engine = Service::open(opts).map_err(CliError::Runtime)?;
+    let load = engine.load_time();
+    let recovery = engine.recovery_seconds();
+    let vocab = engine.engine().model().dims().vocab;
+    let layers = engine.engine().model().dims().layers;
+    let sampling = sampling(a);
     let system = tokens(a.seed, 1, a.system_tokens, vocab);
     let turn_input = |i: usize, k: usize| -> Vec<u32> {
         let mut v = if k == 0 { system.clone() } else { Vec::new() };
@@ -280,14 +471,24 @@ pub fn run(a: &RunArgs) -> Result<(), CliError> {
         let (s, w) = (&summary.service, &summary);
         let pct = |n: u64| 100.0 * n as f64 / s.context_tokens.max(1) as f64;
         let mut lines = vec![
-            format!(
-                "model: built-in kvstack-tiny-v4.1 (40 layers, the CSA2 plan of V4.1-Flash, head dim 512, index 32 x 128), seed {}, generated in {:.1} s; {} expert thread(s); prefill {:?}, chunk {}",
-                a.seed,
-                load.as_secs_f64(),
-                a.threads,
-                a.prefill,
-                a.chunk
-            ),
+            match &a.weights {
+                None => format!(
+                    "model: built-in kvstack-tiny-v4.1 (40 layers, the CSA2 plan of V4.1-Flash, head dim 512, index 32 x 128), seed {}, generated in {:.1} s; {} expert thread(s); prefill {:?}, chunk {}",
+                    a.seed,
+                    load.as_secs_f64(),
+                    a.threads,
+                    a.prefill,
+                    a.chunk
+                ),
+                Some(w) => format!(
+                    "model: checkpoint {} ({layers} layers), loaded in {:.1} s; {} expert thread(s); prefill {:?}, chunk {}",
+                    w.display(),
+                    load.as_secs_f64(),
+                    a.threads,
+                    a.prefill,
+                    a.chunk
+                ),
+            },
             format!(
                 "workload: {} sessions x {} turns (one tenant), shared system prompt {} tokens, tool outputs {}..{} tokens, user {} tokens, {} generated per turn; sessions {}",
                 a.sessions,

@@ -14,9 +14,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use kvstack_model::Checkpoint;
 use kvstack_model::Model;
 use kvstack_model::init::random_model;
-use kvstack_model::weights::TensorFile;
 use kvstack_spec::ModelConfig;
 use kvstack_tiers::{Clock, StoreLocation, StoreOptions, SystemClock, TierOptions, Tiers};
 use serde::Serialize;
@@ -142,7 +142,7 @@ impl Service {
         let tiers = match opts.tiers {
             Some(mut t) => {
                 if t.weights_id.is_empty() {
-                    t.weights_id = opened.weights_id();
+                    t.weights_id = opened.weights_id()?;
                 }
                 Some(Tiers::open(
                     &config,
@@ -270,8 +270,8 @@ impl Service {
 enum Opened {
     /// The built-in tiny model, generated from `seed`.
     Builtin(u64),
-    /// A checkpoint's weights file.
-    Checkpoint(TensorFile),
+    /// A checkpoint's weights: one file or a sharded directory.
+    Checkpoint(Checkpoint),
 }
 
 impl Opened {
@@ -284,19 +284,21 @@ impl Opened {
             )),
             ModelSource::Checkpoint { config, weights } => Ok((
                 ModelConfig::from_file(config)?,
-                Opened::Checkpoint(TensorFile::open(weights)?),
+                Opened::Checkpoint(Checkpoint::open(weights)?),
             )),
         }
     }
 
     /// The identity of the weights, mixed into every stored key so that KV computed with
     /// other weights never matches.
-    fn weights_id(&self) -> Vec<u8> {
+    fn weights_id(&self) -> Result<Vec<u8>> {
         match self {
             // Generated from the seed: KV of other seeds must never match. (This id is what
             // earlier versions wrote, so their data directories still match.)
-            Opened::Builtin(seed) => format!("builtin kvstack-tiny-v4.1 seed {seed}").into_bytes(),
-            Opened::Checkpoint(file) => file.content_id(),
+            Opened::Builtin(seed) => {
+                Ok(format!("builtin kvstack-tiny-v4.1 seed {seed}").into_bytes())
+            }
+            Opened::Checkpoint(ck) => Ok(ck.content_id()?),
         }
     }
 
@@ -304,7 +306,7 @@ impl Opened {
     fn build(&self, config: &ModelConfig) -> Result<Model> {
         match self {
             Opened::Builtin(seed) => Ok(random_model(config, *seed)?),
-            Opened::Checkpoint(file) => Ok(Model::load(config, file)?),
+            Opened::Checkpoint(ck) => Ok(Model::load_from(config, ck.source())?),
         }
     }
 }

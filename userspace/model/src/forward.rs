@@ -266,11 +266,12 @@ impl Model {
         Model::new(cfg, w)
     }
 
-    /// [`Model::load`] from paths.
+    /// [`Model::load`] from paths; `weights` is one safetensors file or a sharded checkpoint
+    /// (its directory or its `model.safetensors.index.json`, see [`crate::Checkpoint`]).
     pub fn from_files(config: &std::path::Path, weights: &std::path::Path) -> Result<Model, Error> {
         let cfg = ModelConfig::from_file(config).map_err(Error::ModelConfig)?;
-        let file = TensorFile::open(weights)?;
-        Model::load(&cfg, &file)
+        let ck = crate::Checkpoint::open(weights)?;
+        Model::load_from(&cfg, ck.source())
     }
 
     /// Threads for the routed experts and for the attention of prefill steps (at least 1);

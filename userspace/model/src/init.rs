@@ -285,23 +285,28 @@ pub struct CheckpointSummary {
     pub parameters: u64,
 }
 
-/// Writes the seeded random checkpoint of `cfg` to `path` (released naming and storage).
-pub fn write_checkpoint(
-    cfg: &ModelConfig,
-    seed: u64,
-    path: &Path,
-) -> Result<CheckpointSummary, Error> {
+/// One tensor as stored: its name, dtype, shape and bytes.
+type Stored = (String, Dtype, Vec<usize>, Vec<u8>);
+
+/// Every stored tensor of `cfg`'s seeded checkpoint, one group per logical tensor (the tensor,
+/// then its scales), in the order the loader requests them; and the parameter count.
+fn stored_groups(cfg: &ModelConfig, seed: u64) -> Result<(Vec<Vec<Stored>>, u64), Error> {
     let (md, ad, plan) = parts(cfg)?;
     let g = Generator::new(seed, ad.index_head_dim);
     // Loading through the generator both checks the config and lists every tensor needed.
     ModelWeights::load_from(&g, &md, &ad, &plan)?;
-    let mut out: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    let mut groups = Vec::new();
     let mut parameters = 0u64;
     for (name, shape) in g.requested.borrow().iter() {
         parameters += shape.iter().product::<usize>() as u64;
-        out.extend(g.stored(name, shape)?.0);
+        groups.push(g.stored(name, shape)?.0);
     }
-    let views = out
+    Ok((groups, parameters))
+}
+
+/// Writes `tensors` as one safetensors file at `path`, with the generator's metadata.
+fn write_file(tensors: &[&Stored], seed: u64, path: &Path) -> Result<(), Error> {
+    let views = tensors
         .iter()
         .map(|(n, d, s, b)| {
             TensorView::new(*d, s.clone(), b)
@@ -321,10 +326,100 @@ pub fn write_checkpoint(
     safetensors::serialize_to_file(views, Some(meta), path).map_err(|e| Error::Write {
         path: path.to_path_buf(),
         source: std::io::Error::other(e.to_string()),
-    })?;
+    })
+}
+
+/// Writes the seeded random checkpoint of `cfg` to `path` (released naming and storage).
+pub fn write_checkpoint(
+    cfg: &ModelConfig,
+    seed: u64,
+    path: &Path,
+) -> Result<CheckpointSummary, Error> {
+    let (groups, parameters) = stored_groups(cfg, seed)?;
+    let all: Vec<&Stored> = groups.iter().flatten().collect();
+    write_file(&all, seed, path)?;
     Ok(CheckpointSummary {
-        tensors: out.len(),
-        bytes: out.iter().map(|t| t.3.len() as u64).sum(),
+        tensors: all.len(),
+        bytes: all.iter().map(|t| t.3.len() as u64).sum(),
+        parameters,
+    })
+}
+
+/// The released shard file name of shard `i` (from 0) of `n`.
+pub fn shard_name(i: usize, n: usize) -> String {
+    format!("model-{:05}-of-{n:05}.safetensors", i + 1)
+}
+
+/// Writes the seeded random checkpoint of `cfg` into directory `dir` as `shards` shards in
+/// the released layout: `model-0000i-of-0000N.safetensors` and
+/// [`crate::shards::INDEX_FILE`] (`metadata.total_size` and `weight_map`). Tensors keep the
+/// loader's order and are cut into shards of about equal bytes; a tensor's scales stay in its
+/// shard. The weights equal [`write_checkpoint`]'s for the same seed, bit for bit.
+///
+/// # Errors
+/// [`Error::ModelInput`] when `shards` is 0 or exceeds the number of tensors;
+/// [`Error::Write`] when a file cannot be written.
+pub fn write_sharded_checkpoint(
+    cfg: &ModelConfig,
+    seed: u64,
+    dir: &Path,
+    shards: usize,
+) -> Result<CheckpointSummary, Error> {
+    let (groups, parameters) = stored_groups(cfg, seed)?;
+    if shards == 0 || shards > groups.len() {
+        return Err(Error::ModelInput(format!(
+            "--shards {shards}: must be 1..={} (the checkpoint has that many tensors)",
+            groups.len()
+        )));
+    }
+    let bytes_of = |g: &Vec<Stored>| g.iter().map(|t| t.3.len() as u64).sum::<u64>();
+    let total: u64 = groups.iter().map(bytes_of).sum();
+    // Shard k takes groups until the running total passes (k + 1) / n of all bytes, leaving
+    // at least one group for each shard after it.
+    let mut assignment = Vec::with_capacity(groups.len());
+    let (mut k, mut acc) = (0usize, 0u64);
+    for (i, g) in groups.iter().enumerate() {
+        let left_after = groups.len() - i;
+        let need_after = shards - k - 1;
+        let boundary = total / shards as u64 * (k as u64 + 1);
+        let started = assignment.last() == Some(&k);
+        if k + 1 < shards && started && (acc >= boundary || left_after == need_after) {
+            k += 1;
+        }
+        assignment.push(k);
+        acc += bytes_of(g);
+    }
+    std::fs::create_dir_all(dir).map_err(|source| Error::Write {
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    let mut weight_map = serde_json::Map::new();
+    for shard in 0..shards {
+        let name = shard_name(shard, shards);
+        let part: Vec<&Stored> = groups
+            .iter()
+            .zip(&assignment)
+            .filter(|(_, a)| **a == shard)
+            .flat_map(|(g, _)| g.iter())
+            .collect();
+        for t in &part {
+            weight_map.insert(t.0.clone(), serde_json::Value::String(name.clone()));
+        }
+        write_file(&part, seed, &dir.join(&name))?;
+    }
+    let index = serde_json::json!({
+        "metadata": {"total_size": total, "generator": "kvstack model init", "seed": seed},
+        "weight_map": weight_map,
+    });
+    let path = dir.join(crate::shards::INDEX_FILE);
+    let text = serde_json::to_string_pretty(&index).map_err(|e| Error::Write {
+        path: path.clone(),
+        source: std::io::Error::other(e.to_string()),
+    })?;
+    std::fs::write(&path, text + "\n").map_err(|source| Error::Write { path, source })?;
+    Ok(CheckpointSummary {
+        tensors: groups.iter().map(Vec::len).sum(),
+        bytes: total,
         parameters,
     })
 }

@@ -2,7 +2,9 @@
 //! §9), matched to the public reference.
 //!
 //! - [`weights`]: tensors of memory-mapped safetensors files, shapes and dtypes checked, errors
-//!   naming the file, the tensor and the expected shape.
+//!   naming the file, the tensor and the expected shape; [`shards`]: a [`Checkpoint`] is one
+//!   such file or a sharded Hugging Face directory (`model.safetensors.index.json`, shards
+//!   mapped lazily).
 //! - [`attention`]: the CSA2 attention layer, prefill and decode, every layer mode
 //!   (`docs/attention.md`), over a [`attention::KvStore`] (in memory at any width, or the paged
 //!   cache of `kvstack-cache`), and [`attention::verify`], `verify attention` against a
@@ -29,6 +31,7 @@ mod dims;
 mod error;
 mod forward;
 pub mod init;
+pub mod shards;
 mod storage;
 mod threads;
 pub mod tokenizer;
@@ -42,6 +45,7 @@ pub use forward::{
     BatchItem, BlockTrace, ForcedInput, Logits, Model, ModelStore, ModelTrace, PrefillMode,
     PrefillStep,
 };
+pub use shards::{Checkpoint, Sharded};
 pub use storage::{
     dequantize_fp4, dequantize_fp8, encode_fp4, encode_fp8, f32_from_bf16, load_f32,
 };

@@ -290,9 +290,9 @@ pub fn verify_model_with(
     opts: &ModelVerifyOptions,
 ) -> Result<ModelVerifyReport, Error> {
     let cfg = ModelConfig::from_file(config).map_err(Error::ModelConfig)?;
-    let wfile = TensorFile::open(weights)?;
-    let model = Model::load(&cfg, &wfile)?;
-    let naming = crate::checkpoint::Naming::detect(&wfile)?;
+    let ck = crate::Checkpoint::open(weights)?;
+    let model = Model::load_from(&cfg, ck.source())?;
+    let naming = crate::checkpoint::Naming::detect(ck.source())?;
     let vfile = TensorFile::open(vectors)?;
     verify_loaded(&model, naming, &vfile, opts)
 }
