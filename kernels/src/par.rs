@@ -8,6 +8,7 @@
 //! waits a bounded time for the other tasks itself, spinning with periodic yields (so that a
 //! task scheduled on the same CPU still runs), and leaves the scope only once they are done.
 
+use std::cell::Cell;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
@@ -17,6 +18,31 @@ const SPIN_LIMIT: Duration = Duration::from_micros(500);
 
 /// Spin-loop hints between two yields of the waiting thread (a few microseconds).
 const SPINS_PER_YIELD: u32 = 64;
+
+thread_local! {
+    /// Whether this thread is running a task of [`run_tasks`].
+    static IN_TASK: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Whether the calling thread is running one of [`run_tasks`]' tasks: work split inside a
+/// task that already shares the pool with its siblings (an attention of one of several
+/// sequences) gains nothing from splitting again and runs on its own thread.
+pub fn in_task() -> bool {
+    IN_TASK.with(Cell::get)
+}
+
+/// Runs `task` marked as a task of [`run_tasks`] (restoring the mark afterwards, also when
+/// it panics).
+fn marked(task: impl FnOnce()) {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            IN_TASK.with(|c| c.set(self.0));
+        }
+    }
+    let _restore = Restore(IN_TASK.with(|c| c.replace(true)));
+    task();
+}
 
 /// Runs every task at once: the first on the calling thread, the others on rayon's global
 /// pool (one worker per CPU, started once), and returns when all have finished. A panic in a
@@ -40,11 +66,11 @@ pub fn run_tasks<T: FnOnce() + Send>(tasks: impl IntoIterator<Item = T>) {
         for task in tasks {
             spawned += 1;
             s.spawn(move |_| {
-                task();
+                marked(task);
                 done.fetch_add(1, Ordering::Release);
             });
         }
-        first();
+        marked(first);
         if spawned > 0 {
             await_count(done, spawned);
         }
@@ -89,6 +115,19 @@ mod tests {
             }));
             assert_eq!(*seen.lock().unwrap(), vec![1; n], "{n} tasks");
         }
+    }
+
+    #[test]
+    fn tasks_know_they_are_tasks_and_the_caller_gets_its_mark_back() {
+        assert!(!in_task());
+        let seen = Mutex::new(Vec::new());
+        run_tasks((0..3).map(|_| || seen.lock().unwrap().push(in_task())));
+        assert_eq!(*seen.lock().unwrap(), vec![true; 3]);
+        assert!(!in_task());
+        let _ = std::panic::catch_unwind(|| {
+            run_tasks([|| assert!(std::hint::black_box(false), "a task fails")])
+        });
+        assert!(!in_task());
     }
 
     #[test]

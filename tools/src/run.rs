@@ -76,9 +76,9 @@ pub struct RunArgs {
     /// Prefill mode.
     #[arg(long, value_enum, default_value = "ced")]
     prefill: ModeArg,
-    /// Threads for the routed experts.
-    #[arg(long, default_value_t = 1, value_parser = flags::count::<usize>(1, 1024))]
-    threads: usize,
+    /// Threads of the whole forward step (default: every core this process may use).
+    #[arg(long, value_parser = flags::count::<usize>(1, 1024))]
+    threads: Option<usize>,
     /// Seed of the model weights and the workload.
     #[arg(long, default_value_t = 4101)]
     seed: u64,
@@ -169,6 +169,15 @@ fn model_source(a: &RunArgs) -> ModelSource {
     }
 }
 
+/// Threads of the forward step: `--threads`, or every core this process may use.
+fn threads(a: &RunArgs) -> usize {
+    a.threads.unwrap_or_else(|| {
+        std::thread::available_parallelism()
+            .map(std::num::NonZeroUsize::get)
+            .unwrap_or(1)
+    })
+}
+
 /// The service `a` asks for, serving at most `sequences` sequences at once.
 fn service_options(a: &RunArgs, sequences: usize) -> Result<ServiceOptions, CliError> {
     let mut opts = ServiceOptions::new(model_source(a));
@@ -176,7 +185,7 @@ fn service_options(a: &RunArgs, sequences: usize) -> Result<ServiceOptions, CliE
         std::fs::create_dir_all(&a.data_dir).map_err(CliError::Stdout)?;
         opts = opts.with_data_dir(&a.data_dir);
     }
-    opts.threads = a.threads;
+    opts.threads = threads(a);
     opts.engine = EngineOptions {
         prefill: match a.prefill {
             ModeArg::Exact => PrefillMode::Exact,
@@ -473,18 +482,18 @@ pub fn run(a: &RunArgs) -> Result<(), CliError> {
         let mut lines = vec![
             match &a.weights {
                 None => format!(
-                    "model: built-in kvstack-tiny-v4.1 (40 layers, the CSA2 plan of V4.1-Flash, head dim 512, index 32 x 128), seed {}, generated in {:.1} s; {} expert thread(s); prefill {:?}, chunk {}",
+                    "model: built-in kvstack-tiny-v4.1 (40 layers, the CSA2 plan of V4.1-Flash, head dim 512, index 32 x 128), seed {}, generated in {:.1} s; {} thread(s); prefill {:?}, chunk {}",
                     a.seed,
                     load.as_secs_f64(),
-                    a.threads,
+                    threads(a),
                     a.prefill,
                     a.chunk
                 ),
                 Some(w) => format!(
-                    "model: checkpoint {} ({layers} layers), loaded in {:.1} s; {} expert thread(s); prefill {:?}, chunk {}",
+                    "model: checkpoint {} ({layers} layers), loaded in {:.1} s; {} thread(s); prefill {:?}, chunk {}",
                     w.display(),
                     load.as_secs_f64(),
-                    a.threads,
+                    threads(a),
                     a.prefill,
                     a.chunk
                 ),

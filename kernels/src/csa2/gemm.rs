@@ -260,3 +260,132 @@ pub fn linear_ref(
         MatMut::new(out, m, n)?,
     )
 }
+
+/// Multiply-adds below which one more thread does not pay for waking it (about 10-20 us of
+/// work on one core, a few times what handing a task to the pool costs).
+pub const MIN_MACS_PER_THREAD: usize = 1 << 17;
+
+/// [`linear`] over up to `threads` threads (the calling one and rayon's pool, see
+/// [`crate::par::run_tasks`]), as many as the work pays for ([`MIN_MACS_PER_THREAD`]). Many
+/// rows (prefill) are split by rows; a few (decode) by weight rows, each thread computing its
+/// own output columns. `matrixmultiply` sums each element along `k` in an order that depends
+/// on neither the number of rows nor of columns computed together, so the result is
+/// bit-identical to [`linear`]'s for every thread count. Inside a task of
+/// [`crate::par::run_tasks`] it runs on the calling thread (the pool is already shared out).
+///
+/// # Errors
+/// [`linear`]'s errors; [`Error::Internal`] if a worker panicked.
+pub fn linear_threads(
+    x: &[f32],
+    w: &[f32],
+    m: usize,
+    k: usize,
+    n: usize,
+    out: &mut [f32],
+    threads: usize,
+) -> Result<(), Error> {
+    check_len("linear input x [m, k]", m * k, x.len())?;
+    check_len("linear weight w [n, k]", n * k, w.len())?;
+    check_len("output matrix [rows, cols]", m * n, out.len())?;
+    let macs = m.saturating_mul(n).saturating_mul(k);
+    let t = threads.min(macs / MIN_MACS_PER_THREAD).min(m.max(n)).max(1);
+    if t == 1 || crate::par::in_task() {
+        return linear(x, w, m, k, n, out);
+    }
+    let mut results: Vec<Result<(), Error>> = Vec::with_capacity(t);
+    if m >= 2 * t {
+        // By rows: every part is whole output rows.
+        let per = m.div_ceil(t);
+        let parts: Vec<(usize, &mut [f32])> = out
+            .chunks_mut(per * n)
+            .enumerate()
+            .map(|(c, o)| (c * per, o))
+            .collect();
+        results.resize_with(parts.len(), || Ok(()));
+        crate::par::run_tasks(results.iter_mut().zip(parts).map(|(r, (i0, o))| {
+            move || {
+                let rows = o.len() / n.max(1);
+                *r = guarded(|| linear(&x[i0 * k..(i0 + rows) * k], w, rows, k, n, o));
+            }
+        }));
+    } else {
+        // By weight rows: every part computes its columns for all rows into its own buffer.
+        let per = n.div_ceil(t);
+        let mut bufs: Vec<(usize, Vec<f32>)> = (0..n)
+            .step_by(per)
+            .map(|j0| (j0, vec![0f32; m * per.min(n - j0)]))
+            .collect();
+        results.resize_with(bufs.len(), || Ok(()));
+        crate::par::run_tasks(results.iter_mut().zip(bufs.iter_mut()).map(|(r, (j0, b))| {
+            let j0 = *j0;
+            move || {
+                let cols = b.len() / m.max(1);
+                *r = guarded(|| linear(x, &w[j0 * k..(j0 + cols) * k], m, k, cols, b));
+            }
+        }));
+        results.iter().try_for_each(|r| r.clone())?;
+        for (j0, b) in &bufs {
+            let cols = b.len() / m.max(1);
+            for (i, row) in b.chunks_exact(cols.max(1)).enumerate() {
+                out[i * n + j0..i * n + j0 + cols].copy_from_slice(row);
+            }
+        }
+    }
+    results.into_iter().collect()
+}
+
+/// Runs `f`, turning a panic into an error (a worker's panic must not cross the pool).
+fn guarded(f: impl FnOnce() -> Result<(), Error>) -> Result<(), Error> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or(Err(Error::Internal {
+        what: "a linear worker thread panicked",
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn data(n: usize, seed: u32) -> Vec<f32> {
+        (0..n)
+            .map(|i| {
+                let h = (i as u32).wrapping_mul(2_654_435_761) ^ seed.wrapping_mul(40_503);
+                (h >> 8) as f32 / (1u32 << 24) as f32 - 0.5
+            })
+            .collect()
+    }
+
+    /// Every thread count gives the bits of one thread, split by rows or by columns: what
+    /// makes a model step independent of `--threads`.
+    #[test]
+    fn linear_threads_is_bit_identical_to_linear_for_every_thread_count() {
+        for (m, k, n) in [
+            (1, 300, 700),
+            (3, 256, 513),
+            (4, 128, 2048),
+            (37, 200, 150),
+            (256, 64, 96),
+        ] {
+            let x = data(m * k, 1);
+            let w = data(n * k, 2);
+            let mut want = vec![0f32; m * n];
+            linear(&x, &w, m, k, n, &mut want).unwrap();
+            for t in [1, 2, 3, 8] {
+                let mut got = vec![f32::NAN; m * n];
+                linear_threads(&x, &w, m, k, n, &mut got, t).unwrap();
+                assert!(
+                    got.iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{m}x{k}x{n} on {t} threads"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn linear_threads_checks_its_buffers() {
+        let mut out = vec![0f32; 5];
+        let e = linear_threads(&[0.0; 6], &[0.0; 6], 2, 3, 2, &mut out, 4).unwrap_err();
+        assert!(e.to_string().contains("output"), "{e}");
+    }
+}

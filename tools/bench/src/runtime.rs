@@ -81,6 +81,10 @@ pub struct Throughput {
     pub decode_tokens_per_s: f64,
     /// Mean sequences per decode step.
     pub decode_batch: f64,
+    /// Prefill tokens/s over `threads` times the 1-thread run's (when one ran).
+    pub prefill_efficiency: Option<f64>,
+    /// Decode tokens/s over `threads` times the 1-thread run's (when one ran).
+    pub decode_efficiency: Option<f64>,
 }
 
 /// One time-to-first-token run of the long prompt.
@@ -159,6 +163,9 @@ impl RuntimeReport {
 /// The TTFT target: cached / scratch.
 pub const TTFT_TARGET: f64 = 0.1;
 
+/// The parallel efficiency target at 2 threads: tokens/s over twice the 1-thread tokens/s.
+pub const EFFICIENCY_TARGET: f64 = 0.7;
+
 impl std::fmt::Display for RuntimeReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(f, "model: {}; prefill {}", self.model, self.prefill_mode)?;
@@ -168,6 +175,17 @@ impl std::fmt::Display for RuntimeReport {
                 "throughput, {} thread(s): prefill {:.1} tokens/s, decode {:.1} tokens/s (mean batch {:.2})",
                 t.threads, t.prefill_tokens_per_s, t.decode_tokens_per_s, t.decode_batch
             )?;
+            if let (Some(p), Some(d)) = (t.prefill_efficiency, t.decode_efficiency) {
+                writeln!(
+                    f,
+                    "  parallel efficiency vs 1 thread: prefill {p:.2}, decode {d:.2}{}",
+                    if t.threads == 2 {
+                        format!(" (target >= {EFFICIENCY_TARGET})")
+                    } else {
+                        String::new()
+                    }
+                )?;
+            }
         }
         writeln!(
             f,
@@ -327,7 +345,16 @@ pub fn run_runtime_bench(
             prefill_tokens_per_s: prefill,
             decode_tokens_per_s: st.decode_rate(),
             decode_batch: st.decode_batch_rows as f64 / st.decode_steps.max(1) as f64,
+            prefill_efficiency: None,
+            decode_efficiency: None,
         });
+    }
+    if let Some(one) = throughput.iter().find(|t| t.threads == 1).cloned() {
+        for t in throughput.iter_mut().filter(|t| t.threads > 1) {
+            let n = t.threads as f64;
+            t.prefill_efficiency = Some(t.prefill_tokens_per_s / (n * one.prefill_tokens_per_s));
+            t.decode_efficiency = Some(t.decode_tokens_per_s / (n * one.decode_tokens_per_s));
+        }
     }
 
     let threads = o.threads.iter().copied().max().unwrap_or(1).max(1);
@@ -354,7 +381,7 @@ pub fn run_runtime_bench(
     } else {
         None
     };
-    let failures = runs
+    let mut failures: Vec<String> = runs
         .iter()
         .filter(|r| r.ratio_to_scratch > TTFT_TARGET)
         .map(|r| {
@@ -365,6 +392,18 @@ pub fn run_runtime_bench(
             )
         })
         .collect();
+    for t in throughput.iter().filter(|t| t.threads == 2) {
+        for (what, e) in [
+            ("prefill", t.prefill_efficiency),
+            ("decode", t.decode_efficiency),
+        ] {
+            if let Some(e) = e.filter(|&e| e < EFFICIENCY_TARGET) {
+                failures.push(format!(
+                    "{what} parallel efficiency at 2 threads: {e:.2} (target >= {EFFICIENCY_TARGET})"
+                ));
+            }
+        }
+    }
     Ok(RuntimeReport {
         model: "built-in kvstack-tiny-v4.1 (40 layers, V4.1-Flash CSA2 plan, head dim 512, index 32 x 128)".into(),
         prefill_mode: format!("{:?}", o.prefill),

@@ -20,7 +20,7 @@
 
 use std::ops::Range;
 
-use kvstack_kernels::csa2::gemm::linear;
+use kvstack_kernels::csa2::gemm::linear_threads;
 use kvstack_kernels::csa2::norm::rms_norm;
 use kvstack_kernels::model::{Expert, HcMix, HcShape, HcSite, MoeShape, Route};
 
@@ -35,6 +35,7 @@ use kvstack_spec::plan::{LayerMode, LayerPlan};
 use crate::Error;
 use crate::checkpoint::{BlockWeights, ExpertWeights, HcWeights, ModelWeights, TensorSource};
 use crate::dims::ModelDims;
+use crate::threads;
 
 /// Expert work (FLOP) below which an extra MoE thread does not pay for its spawn.
 const MIN_MOE_FLOPS_PER_THREAD: usize = 4_000_000;
@@ -316,10 +317,99 @@ impl Model {
             .ok_or_else(|| Error::ModelInput(format!("layer {l} of {}", self.dims.layers)))
     }
 
+    /// RMSNorm of every row of `x`, rows split over the threads when they pay.
     fn norm_rows(&self, x: &[f32], w: &[f32], what: &str) -> Result<Vec<f32>, Error> {
+        let h = self.dims.hidden;
         let mut out = vec![0f32; x.len()];
-        rms_norm(x, w, self.dims.eps, &mut out).map_err(Error::model_kernel(what))?;
+        let n = x.len() / h.max(1);
+        let parts = threads::parts(n, self.threads, 4 * x.len());
+        threads::rows_mut(&mut out, h, parts, what, |r, part| {
+            rms_norm(&x[r.start * h..r.end * h], w, self.dims.eps, part)
+                .map_err(Error::model_kernel(what))
+        })?;
         Ok(out)
+    }
+
+    /// Width of one token's streams (`hc_mult * hidden`).
+    fn stream_width(&self) -> usize {
+        self.dims.hc_mult * self.dims.hidden
+    }
+
+    /// The HC mixes of site `w` for `n` tokens, rows split over the threads when they pay.
+    fn mixes(
+        &self,
+        what: &str,
+        w: &HcWeights,
+        streams: &[f32],
+        n: usize,
+    ) -> Result<Vec<HcMix>, Error> {
+        let (hc, sw) = (self.hc(), self.stream_width());
+        let coeffs = (self.dims.hc_mult + 2) * self.dims.hc_mult;
+        let parts = threads::parts(n, self.threads, n * sw * coeffs);
+        let s = site(w);
+        threads::rows_collect(n, parts, what, |r| {
+            let rows = streams
+                .get(r.start * sw..r.end * sw)
+                .ok_or_else(|| Error::ModelInput(format!("{what}: streams of {n} tokens")))?;
+            hc.mixes(&s, rows, r.len())
+                .map_err(Error::model_kernel(what))
+        })
+    }
+
+    /// `x` = the streams collapsed with each token's `pre` weights, rows split when they pay.
+    fn collapse(
+        &self,
+        what: &str,
+        pre: &[HcMix],
+        streams: &[f32],
+        x: &mut [f32],
+    ) -> Result<(), Error> {
+        let (hc, h, sw) = (self.hc(), self.dims.hidden, self.stream_width());
+        let n = x.len() / h.max(1);
+        let parts = threads::parts(n, self.threads, 2 * n * sw);
+        threads::rows_mut(x, h, parts, what, |r, part| {
+            let (Some(pre), Some(rows)) =
+                (pre.get(r.clone()), streams.get(r.start * sw..r.end * sw))
+            else {
+                return Err(Error::ModelInput(format!(
+                    "{what}: mixes or streams of {n} tokens"
+                )));
+            };
+            hc.collapse(pre, rows, part)
+                .map_err(Error::model_kernel(what))
+        })
+    }
+
+    /// Adds `y` expanded with each token's mix into the streams, rows split when they pay.
+    fn expand(
+        &self,
+        what: &str,
+        mix: &[HcMix],
+        y: &[f32],
+        streams: &mut [f32],
+    ) -> Result<(), Error> {
+        let (hc, h, sw) = (self.hc(), self.dims.hidden, self.stream_width());
+        let n = streams.len() / sw.max(1);
+        let parts = threads::parts(n, self.threads, 4 * n * sw);
+        threads::rows_mut(streams, sw, parts, what, |r, part| {
+            let (Some(mix), Some(y)) = (mix.get(r.clone()), y.get(r.start * h..r.end * h)) else {
+                return Err(Error::ModelInput(format!(
+                    "{what}: mixes or outputs of {n} tokens"
+                )));
+            };
+            hc.expand(mix, y, part).map_err(Error::model_kernel(what))
+        })
+    }
+
+    /// The router's choice for every row of `x`, rows split when they pay.
+    fn route(&self, b: &BlockWeights, x: &[f32], n: usize) -> Result<Vec<Route>, Error> {
+        let h = self.dims.hidden;
+        let moe = self.dims.moe();
+        let parts = threads::parts(n, self.threads, n * h * self.dims.experts);
+        threads::rows_collect(n, parts, "router", |r| {
+            moe.route(&x[r.start * h..r.end * h], &b.gate, &b.gate_bias, r.len())
+                .map_err(Error::model_kernel("router"))
+        })
     }
 
     /// The MoE over `n` rows of `x`: the shared expert and every routed expert once over its
@@ -420,18 +510,14 @@ impl Model {
         prev_pre: &mut Vec<HcMix>,
         trace: Option<&mut BlockTrace>,
     ) -> Result<(), Error> {
-        let hc = self.hc();
         let b = self.block_weights(l)?;
         let h = self.dims.hidden;
         let n: usize = members.iter().map(|m| m.rows.len()).sum();
         let boundary = self.boundary();
         let streams_in = trace.is_some().then(|| streams.to_vec());
-        let attn_mix = hc
-            .mixes(&site(&b.attn_hc), streams, n)
-            .map_err(Error::model_kernel(format!("layer {l}: attn_hc")))?;
+        let attn_mix = self.mixes(&format!("layer {l}: attn_hc"), &b.attn_hc, streams, n)?;
         let mut x = vec![0f32; n * h];
-        hc.collapse(prev_pre, streams, &mut x)
-            .map_err(Error::model_kernel(format!("layer {l}: collapse")))?;
+        self.collapse(&format!("layer {l}: collapse"), prev_pre, streams, &mut x)?;
         let attn_input = self.norm_rows(&x, &b.attn_norm, "attn_norm")?;
         let mut lt = LayerTrace::default();
         let mut y = Vec::with_capacity(n * h);
@@ -475,22 +561,13 @@ impl Model {
                 y.extend_from_slice(&out);
             }
         }
-        hc.expand(&attn_mix, &y, streams)
-            .map_err(Error::model_kernel(format!("layer {l}: expand")))?;
-        let ffn_mix = hc
-            .mixes(&site(&b.ffn_hc), streams, n)
-            .map_err(Error::model_kernel(format!("layer {l}: ffn_hc")))?;
-        hc.collapse(&attn_mix, streams, &mut x)
-            .map_err(Error::model_kernel(format!("layer {l}: collapse")))?;
+        self.expand(&format!("layer {l}: expand"), &attn_mix, &y, streams)?;
+        let ffn_mix = self.mixes(&format!("layer {l}: ffn_hc"), &b.ffn_hc, streams, n)?;
+        self.collapse(&format!("layer {l}: collapse"), &attn_mix, streams, &mut x)?;
         let ffn_input = self.norm_rows(&x, &b.ffn_norm, "ffn_norm")?;
-        let routes = self
-            .dims
-            .moe()
-            .route(&ffn_input, &b.gate, &b.gate_bias, n)
-            .map_err(Error::model_kernel(format!("layer {l}: router")))?;
+        let routes = self.route(b, &ffn_input, n)?;
         let out = self.moe(b, &ffn_input, n, &routes)?;
-        hc.expand(&ffn_mix, &out, streams)
-            .map_err(Error::model_kernel(format!("layer {l}: expand")))?;
+        self.expand(&format!("layer {l}: expand"), &ffn_mix, &out, streams)?;
         if let Some(tr) = trace {
             *tr = BlockTrace {
                 streams_in: streams_in.unwrap_or_default(),
@@ -615,10 +692,8 @@ impl Model {
             };
             self.block(l, &mut members, &mut streams, &mut prev_pre, bt)?;
         }
-        let hc = self.hc();
         let mut x = vec![0f32; n * h];
-        hc.collapse(&prev_pre, &streams, &mut x)
-            .map_err(Error::model_kernel("final collapse"))?;
+        self.collapse("final collapse", &prev_pre, &streams, &mut x)?;
         if layers.end < self.dims.layers {
             // CED encoder-only step: decoder KV sources from the boundary state, placeholder
             // window rows for the decoder layers (never read: their window is truncated).
@@ -654,13 +729,14 @@ impl Model {
             };
             let mut out = vec![0f32; rows.len() * v];
             if !rows.is_empty() {
-                linear(
+                linear_threads(
                     &hidden[rows.start * h..rows.end * h],
                     &self.head,
                     rows.len(),
                     h,
                     v,
                     &mut out,
+                    self.threads,
                 )
                 .map_err(Error::model_kernel("lm head"))?;
             }
@@ -739,7 +815,8 @@ impl Model {
         }
         let rows = hidden.len() / h;
         let mut out = vec![0f32; rows * v];
-        linear(hidden, &self.head, rows, h, v, &mut out).map_err(Error::model_kernel("lm head"))?;
+        linear_threads(hidden, &self.head, rows, h, v, &mut out, self.threads)
+            .map_err(Error::model_kernel("lm head"))?;
         Ok(out)
     }
 

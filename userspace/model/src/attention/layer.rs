@@ -24,7 +24,7 @@ use kvstack_kernels::attn as fast;
 use kvstack_kernels::csa2::attention::{AttentionShape, KeyRow, SparseAttention};
 use kvstack_kernels::csa2::candidates::{candidate_pool, mask_to_candidates};
 use kvstack_kernels::csa2::compress::CompressorState;
-use kvstack_kernels::csa2::gemm::linear;
+use kvstack_kernels::csa2::gemm::linear_threads;
 use kvstack_kernels::csa2::indexer::{IndexQuery, scale_head_weights};
 use kvstack_kernels::csa2::norm::rms_norm_in_place;
 use kvstack_kernels::csa2::output::{OutputShape, grouped_output};
@@ -316,6 +316,19 @@ impl Csa2Attention {
         self.threads = threads.max(1);
     }
 
+    /// A projection `out = x Wᵀ` on the layer's threads (bit-identical for every count).
+    fn linear(
+        &self,
+        x: &[f32],
+        w: &[f32],
+        m: usize,
+        k: usize,
+        n: usize,
+        out: &mut [f32],
+    ) -> Result<(), kvstack_kernels::Error> {
+        linear_threads(x, w, m, k, n, out, self.threads)
+    }
+
     /// Which path the sparse attention takes: the register-tiled decode kernel of
     /// `kvstack_kernels::attn`, for 512-wide heads (V4.1-Flash: 5.6x faster than the general
     /// path at its 64 heads on one thread), or the general per-key path every head width
@@ -410,7 +423,7 @@ impl Csa2Attention {
         let d = &self.dims;
         let n = self.tokens(layer, "attention input [n, hidden]", x, d.hidden)?;
         let mut ql = vec![0f32; n * d.q_lora_rank];
-        linear(x, &w.wq_a, n, d.hidden, d.q_lora_rank, &mut ql)
+        self.linear(x, &w.wq_a, n, d.hidden, d.q_lora_rank, &mut ql)
             .map_err(Error::kernel(layer, "wq_a"))?;
         rms_norm_in_place(&mut ql, &w.q_norm, d.eps).map_err(Error::kernel(layer, "q_norm"))?;
         Ok(ql)
@@ -433,7 +446,7 @@ impl Csa2Attention {
             q_latent.len(),
         )?;
         let mut q = vec![0f32; n * d.q_width()];
-        linear(q_latent, &w.wq_b, n, d.q_lora_rank, d.q_width(), &mut q)
+        self.linear(q_latent, &w.wq_b, n, d.q_lora_rank, d.q_width(), &mut q)
             .map_err(Error::kernel(layer, "wq_b"))?;
         rope.rotate_rows(&mut q, d.q_width(), d.head_dim, positions, false)
             .map_err(Error::kernel(layer, "query rope"))?;
@@ -452,7 +465,8 @@ impl Csa2Attention {
         let n = positions.len();
         check_input(layer, "attention input [n, hidden]", n * d.hidden, x.len())?;
         let mut kv = vec![0f32; n * d.head_dim];
-        linear(x, &w.wkv, n, d.hidden, d.head_dim, &mut kv).map_err(Error::kernel(layer, "wkv"))?;
+        self.linear(x, &w.wkv, n, d.hidden, d.head_dim, &mut kv)
+            .map_err(Error::kernel(layer, "wkv"))?;
         rms_norm_in_place(&mut kv, &w.kv_norm, d.eps).map_err(Error::kernel(layer, "kv_norm"))?;
         rope.rotate_rows(&mut kv, d.head_dim, d.head_dim, positions, false)
             .map_err(Error::kernel(layer, "window rope"))?;
@@ -493,12 +507,12 @@ impl Csa2Attention {
         let n = self.tokens(layer, "attention input [n, hidden]", x, d.hidden)?;
         let ratio = spec.compress_ratio as usize;
         let mut kv = vec![0f32; n * d.head_dim];
-        linear(x, &cw.wkv, n, d.hidden, d.head_dim, &mut kv)
+        self.linear(x, &cw.wkv, n, d.hidden, d.head_dim, &mut kv)
             .map_err(Error::kernel(layer, "compressor.wkv"))?;
         let gate = match &cw.wgate {
             Some(wg) => {
                 let mut g = vec![0f32; n * d.head_dim];
-                linear(x, wg, n, d.hidden, d.head_dim, &mut g)
+                self.linear(x, wg, n, d.hidden, d.head_dim, &mut g)
                     .map_err(Error::kernel(layer, "compressor.wgate"))?;
                 Some(g)
             }
@@ -570,7 +584,7 @@ impl Csa2Attention {
         };
         let g = self.tokens(layer, "compressor latent [g, head_dim]", latent, d.head_dim)?;
         let mut k = vec![0f32; g * d.index_head_dim];
-        linear(latent, &kw.wk, g, d.head_dim, d.index_head_dim, &mut k)
+        self.linear(latent, &kw.wk, g, d.head_dim, d.index_head_dim, &mut k)
             .map_err(Error::kernel(layer, "indexer.wk"))?;
         rms_norm_in_place(&mut k, &kw.k_norm, d.eps)
             .map_err(Error::kernel(layer, "indexer.k_norm"))?;
@@ -609,7 +623,7 @@ impl Csa2Attention {
             q_latent.len(),
         )?;
         let mut q = vec![0f32; n * d.index_q_width()];
-        linear(
+        self.linear(
             q_latent,
             &iw.wq_b,
             n,
@@ -642,7 +656,7 @@ impl Csa2Attention {
         };
         let n = self.tokens(layer, "attention input [n, hidden]", x, d.hidden)?;
         let mut out = vec![0f32; n * d.index_heads];
-        linear(x, &iw.weights_proj, n, d.hidden, d.index_heads, &mut out)
+        self.linear(x, &iw.weights_proj, n, d.hidden, d.index_heads, &mut out)
             .map_err(Error::kernel(layer, "indexer.weights_proj"))?;
         scale_head_weights(&mut out, d.index_head_dim, d.index_heads);
         Ok(out)
