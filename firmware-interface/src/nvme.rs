@@ -569,8 +569,7 @@ impl SubmissionEntry {
         e
     }
 
-    /// Read (§6.9) or Write (§6.15) of `blocks` logical blocks (1..=65536) from `slba` of
-    /// namespace `nsid`; the data pointer is set with [`SubmissionEntry::set_prps`].
+    /// The common fields of Read and Write.
     fn rw(opcode: u8, nsid: u32, slba: u64, blocks: u32) -> SubmissionEntry {
         let mut e = SubmissionEntry::new(opcode, nsid);
         e.cdw10 = U32::new(slba as u32);
@@ -580,12 +579,13 @@ impl SubmissionEntry {
         e
     }
 
-    /// Read (§6.9): see [`SubmissionEntry::rw`] for the fields.
+    /// Read (§6.9) of `blocks` logical blocks (1..=65536) from `slba` of namespace `nsid`; the
+    /// data pointer is set with [`SubmissionEntry::set_prps`].
     pub fn read(nsid: u32, slba: u64, blocks: u32) -> SubmissionEntry {
         SubmissionEntry::rw(nvm_opcode::READ, nsid, slba, blocks)
     }
 
-    /// Write (§6.15).
+    /// Write (§6.15), fields as [`SubmissionEntry::read`].
     pub fn write(nsid: u32, slba: u64, blocks: u32) -> SubmissionEntry {
         SubmissionEntry::rw(nvm_opcode::WRITE, nsid, slba, blocks)
     }
