@@ -154,6 +154,14 @@ pub enum Error {
         /// Queue id.
         queue: u16,
     },
+    /// A VFIO step failed (opening the device, mapping BAR0, an IOMMU mapping).
+    #[error("VFIO {what}: {reason}")]
+    Vfio {
+        /// The step.
+        what: &'static str,
+        /// Why (the ioctl's error).
+        reason: String,
+    },
     /// A volatile access outside its view.
     #[error("access of {count} bytes at offset {offset} is outside a {len}-byte region")]
     OutOfBounds {

@@ -1,8 +1,8 @@
 //! A userspace NVMe driver: the controller and queue state machine (`docs/nvme.md`).
 //!
 //! The driver talks to a controller through two small seams, so the same code runs against
-//! hardware (a VFIO device: BAR0 mapped, DMA through the IOMMU) and against the in-process
-//! fake controller of the tests:
+//! hardware (a VFIO device, the `vfio` module: BAR0 mapped, DMA through the IOMMU) and against the
+//! in-process fake controller of the tests:
 //! - [`Registers`]: 32- and 64-bit volatile reads and writes of BAR0 at byte offsets (the
 //!   controller registers and the doorbells);
 //! - [`Dma`]: pinned memory the controller may read and write, each region at an I/O virtual
@@ -27,6 +27,9 @@
 
 mod controller;
 mod queue;
+
+#[cfg(feature = "vfio")]
+pub mod vfio;
 
 #[cfg(test)]
 mod fake;
