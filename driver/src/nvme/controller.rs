@@ -101,7 +101,11 @@ impl<R: Registers, D: Dma> Controller<R, D> {
     /// [`Error::NvmeFatal`], [`Error::NvmeFormat`] for invalid Identify data,
     /// [`Error::NvmeCommand`] for a failed admin command, [`Error::NvmeRegister`].
     pub fn new(regs: R, dma: D, opts: ControllerOptions) -> Result<Controller<R, D>, Error> {
-        let cap = Capabilities::decode(regs.read64(reg::CAP)?).map_err(Error::NvmeFormat)?;
+        let cap = regs.read64(reg::CAP)?;
+        if cap == u64::MAX {
+            return Err(Error::NvmeRemoved);
+        }
+        let cap = Capabilities::decode(cap).map_err(Error::NvmeFormat)?;
         let version = Version::decode(regs.read32(reg::VS)?);
         if cap.command_sets & CSS_NVM == 0 {
             return Err(Error::NvmeUnsupported {
@@ -384,11 +388,11 @@ impl<R: Registers, D: Dma> Controller<R, D> {
         Ok(())
     }
 
-    fn identify(&mut self, cns: u8, nsid: u32) -> Result<Vec<u8>, Error> {
+    fn identify(&mut self, which: u8, nsid: u32) -> Result<Vec<u8>, Error> {
         let page = self.identify_page.clone().ok_or(Error::NvmeFailed {
             reason: "no Identify buffer".into(),
         })?;
-        let what = if cns == 0 {
+        let what = if which == cns::NAMESPACE {
             "Identify Namespace"
         } else {
             "Identify Controller"
@@ -398,7 +402,7 @@ impl<R: Registers, D: Dma> Controller<R, D> {
             offset: 0,
             len: PAGE,
         };
-        self.admin_command(what, SubmissionEntry::identify(cns, nsid, 0), Some(slice))?;
+        self.admin_command(what, SubmissionEntry::identify(which, nsid, 0), Some(slice))?;
         let mut out = vec![0u8; PAGE];
         page.volatile().read(0, &mut out)?;
         Ok(out)
@@ -561,11 +565,13 @@ impl<R: Registers, D: Dma> Controller<R, D> {
             ));
         }
         let blocks = buf.len as u64 / block;
+        if blocks > 1 << 16 {
+            return bad(format!("{blocks} blocks exceed the 65536 of one command"));
+        }
         if req
             .lba
             .checked_add(blocks)
             .is_none_or(|end| end > ns.size_blocks)
-            || blocks > 1 << 16
         {
             return bad(format!(
                 "blocks {}..+{blocks} are outside the namespace's {} blocks",
@@ -702,9 +708,17 @@ impl<R: Registers, D: Dma> Controller<R, D> {
     /// As [`Controller::new`].
     pub fn reset(&mut self) -> Result<(), Error> {
         log::warn!("NVMe controller reset");
-        self.disable()?;
-        self.abort_all("the controller was reset", None);
-        self.bring_up()
+        let result = self.disable().and_then(|()| {
+            self.abort_all("the controller was reset", None);
+            self.bring_up()
+        });
+        if let Err(e) = &result {
+            // Commands still in flight (the controller did not stop) are aborted and their
+            // memory kept; nothing runs until another reset succeeds.
+            self.abort_all("the controller was reset", None);
+            self.state = State::Failed(format!("reset failed: {e}"));
+        }
+        result
     }
 
     /// Shuts the controller down (§7.6.2): waits for commands in flight, deletes the I/O

@@ -83,6 +83,8 @@ pub(crate) struct State {
     pub inject: VecDeque<Inject>,
     /// Ignores every register write and doorbell (a hung controller).
     pub dead: bool,
+    /// Reads return all ones, as from a device that left the bus.
+    pub removed: bool,
     /// CSTS.RDY takes this many CSTS reads to follow CC.EN.
     pub ready_delay: u32,
     /// Opcodes of every command run, per queue id.
@@ -132,6 +134,7 @@ impl Fake {
             inactive_namespace: false,
             inject: VecDeque::new(),
             dead: false,
+            removed: false,
             ready_delay: 3,
             log: Vec::new(),
             flushes: 0,
@@ -189,6 +192,9 @@ impl Registers for FakeBar {
     fn read32(&self, offset: usize) -> Result<u32, Error> {
         check(offset, 4)?;
         let mut s = self.0.state();
+        if s.removed {
+            return Ok(u32::MAX);
+        }
         Ok(match offset {
             reg::VS => Version {
                 major: 1,
@@ -229,6 +235,9 @@ impl Registers for FakeBar {
     fn read64(&self, offset: usize) -> Result<u64, Error> {
         check(offset, 8)?;
         let s = self.0.state();
+        if s.removed {
+            return Ok(u64::MAX);
+        }
         Ok(match offset {
             reg::CAP => s.cap.encode(),
             reg::ASQ => s.asq,

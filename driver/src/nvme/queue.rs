@@ -6,8 +6,8 @@ use std::sync::atomic::{Ordering, fence};
 use std::time::Instant;
 
 use kvstack_firmware_interface::nvme::{
-    CQE_BYTES, CompletionEntry, PAGE, PRPS_PER_LIST, Prps, SQE_BYTES, Status, SubmissionEntry,
-    build_prps, doorbell_offset,
+    CQE_BYTES, CompletionEntry, PAGE, PRPS_PER_LIST, SQE_BYTES, Status, SubmissionEntry,
+    build_prps, doorbell_offset, prp_list_pages,
 };
 use zerocopy::{FromBytes, IntoBytes};
 
@@ -60,7 +60,10 @@ pub(super) struct QueuePair {
     cq_doorbell: usize,
     slots: Vec<Option<InFlight>>,
     free: Vec<u16>,
-    /// Scratch for PRP list entries.
+    /// Scratch for a command's data page addresses, list page addresses and list entries
+    /// (kept so a submission allocates nothing).
+    pages: Vec<u64>,
+    list_iovas: Vec<u64>,
     scratch: Vec<u64>,
     /// Times the completion ring wrapped (phase flips), for tests and stats.
     pub wraps: u64,
@@ -100,6 +103,8 @@ impl QueuePair {
             // Command identifiers 0..entries-1, handed out lowest first.
             slots: (0..entries).map(|_| None).collect(),
             free: (0..entries).rev().collect(),
+            pages: Vec::new(),
+            list_iovas: Vec::with_capacity(lists_per_cmd),
             scratch: vec![0; lists_per_cmd * PRPS_PER_LIST],
             wraps: 0,
             malformed: 0,
@@ -134,10 +139,10 @@ impl QueuePair {
         buf: &DmaSlice,
     ) -> Result<(), Error> {
         let start = buf.region.iova() + buf.offset as u64;
-        let pages: Vec<u64> = (0..buf.len / PAGE)
-            .map(|i| start + (i * PAGE) as u64)
-            .collect();
-        let needed = kvstack_firmware_interface::nvme::prp_list_pages(pages.len());
+        self.pages.clear();
+        self.pages
+            .extend((0..buf.len / PAGE).map(|i| start + (i * PAGE) as u64));
+        let needed = prp_list_pages(self.pages.len());
         if needed > self.lists_per_cmd {
             return Err(Error::NvmeRequest {
                 reason: format!(
@@ -146,25 +151,26 @@ impl QueuePair {
                 ),
             });
         }
-        let (list_iovas, list_base) = match (&self.lists, needed) {
-            (_, 0) => (Vec::new(), 0),
-            (Some(l), _) => {
-                let base = usize::from(cid) * self.lists_per_cmd * PAGE;
-                let iovas = (0..needed)
-                    .map(|i| l.iova() + (base + i * PAGE) as u64)
-                    .collect();
-                (iovas, base)
-            }
+        // This command slot's list pages: `lists_per_cmd` pages from `cid * lists_per_cmd`.
+        let list_base = usize::from(cid) * self.lists_per_cmd * PAGE;
+        self.list_iovas.clear();
+        match (&self.lists, needed) {
+            (_, 0) => {}
+            (Some(l), _) => self
+                .list_iovas
+                .extend((0..needed).map(|i| l.iova() + (list_base + i * PAGE) as u64)),
             (None, _) => {
                 return Err(Error::NvmeRequest {
                     reason: "a transfer of more than two pages on a queue without PRP lists".into(),
                 });
             }
-        };
-        let prps: Prps =
-            build_prps(&pages, &list_iovas, &mut self.scratch).map_err(Error::NvmeFormat)?;
-        if let Some(l) = &self.lists {
-            let entries = &self.scratch[..needed * PRPS_PER_LIST];
+        }
+        let prps = build_prps(&self.pages, &self.list_iovas, &mut self.scratch)
+            .map_err(Error::NvmeFormat)?;
+        if let (Some(l), 1..) = (&self.lists, needed) {
+            let entries = &mut self.scratch[..needed * PRPS_PER_LIST];
+            // PRP entries are little-endian in memory (§4.3).
+            entries.iter_mut().for_each(|e| *e = e.to_le());
             l.volatile().write(list_base, entries.as_bytes())?;
         }
         entry.set_prps(prps);

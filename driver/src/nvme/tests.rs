@@ -373,3 +373,28 @@ fn bring_up_failures_are_named() {
     .unwrap_err();
     assert!(err.to_string().contains("namespace 2"), "{err}");
 }
+
+#[test]
+fn a_removed_device_is_reported_without_waiting() {
+    let fake = Fake::new(64, 64);
+    fake.state().removed = true;
+    let err = Controller::new(fake.bar(), fake.dma(), opts(8)).unwrap_err();
+    assert!(matches!(err, Error::NvmeRemoved), "{err}");
+
+    let fake = Fake::new(64, 64);
+    let mut c = up(&fake, 8);
+    fake.state().removed = true;
+    fake.state().dead = true;
+    let start = Instant::now();
+    let err = c.reset().unwrap_err();
+    assert!(matches!(err, Error::NvmeRemoved), "{err}");
+    let err = c.run(req(IoKind::Flush, 0, None, 0)).unwrap_err();
+    assert!(err.to_string().contains("reset failed"), "{err}");
+    drop(c);
+    // No CAP.TO waits: every CSTS read says the device is gone.
+    assert!(
+        start.elapsed() < Duration::from_millis(400),
+        "{:?}",
+        start.elapsed()
+    );
+}
