@@ -4,9 +4,9 @@
 use std::time::{Duration, Instant};
 
 use kvstack_firmware_interface::nvme::{
-    CSS_NVM, Capabilities, ControllerConfig, ControllerInfo, ControllerStatus, CstsFlags,
-    NamespaceInfo, PAGE, QueuesGranted, Shutdown, SubmissionEntry, Version, aqa, cns,
-    prp_list_pages, reg,
+    CQE_BYTES, CSS_NVM, Capabilities, ControllerConfig, ControllerInfo, ControllerStatus,
+    CstsFlags, NamespaceInfo, PAGE, QueuesGranted, SQE_BYTES, Shutdown, SubmissionEntry, Version,
+    aqa, cns, prp_list_pages, reg,
 };
 
 use super::queue::{InFlight, QueuePair, Reaped};
@@ -287,6 +287,26 @@ impl<R: Registers, D: Dma> Controller<R, D> {
         }
     }
 
+    /// Allocates `N` regions, or none: on a failure the ones already made are freed (no
+    /// command has seen them).
+    fn alloc_all<const N: usize>(&mut self, sizes: [usize; N]) -> Result<[DmaRegion; N], Error> {
+        let mut made = Vec::with_capacity(N);
+        for bytes in sizes {
+            match self.dma.alloc(bytes) {
+                Ok(r) => made.push(r),
+                Err(e) => {
+                    for r in made {
+                        self.dma.free(r);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        made.try_into().map_err(|_| Error::NvmeFailed {
+            reason: "region count".into(),
+        })
+    }
+
     fn bring_up(&mut self) -> Result<(), Error> {
         self.disable()?;
         self.release_queues();
@@ -295,11 +315,14 @@ impl<R: Registers, D: Dma> Controller<R, D> {
         let mqes = self.cap.max_queue_entries.min(u32::from(u16::MAX));
         let admin_entries =
             u32::from(self.opts.admin_queue_entries).clamp(2, mqes.min(4096)) as u16;
-        let asq = self.dma.alloc(usize::from(admin_entries) * 64)?;
-        let acq = self.dma.alloc(usize::from(admin_entries) * 16)?;
+        let [asq, acq, page] = self.alloc_all([
+            usize::from(admin_entries) * SQE_BYTES,
+            usize::from(admin_entries) * CQE_BYTES,
+            PAGE,
+        ])?;
         let (asq_iova, acq_iova) = (asq.iova(), acq.iova());
+        self.identify_page = Some(page);
         self.admin = Some(QueuePair::new(0, admin_entries, asq, acq, None, 0, dstrd)?);
-        self.identify_page = Some(self.dma.alloc(PAGE)?);
         let aqa = aqa(u32::from(admin_entries), u32::from(admin_entries)).ok_or(
             Error::NvmeUnsupported {
                 what: format!("an admin queue of {admin_entries} entries"),
@@ -354,11 +377,20 @@ impl<R: Registers, D: Dma> Controller<R, D> {
         let entries = u32::from(self.opts.io_queue_entries).clamp(2, mqes) as u16;
         let lists_per_cmd = prp_list_pages(self.max_transfer / PAGE);
         for qid in 1..=n {
-            let sq = self.dma.alloc(usize::from(entries) * 64)?;
-            let cq = self.dma.alloc(usize::from(entries) * 16)?;
+            let [sq, cq] = self.alloc_all([
+                usize::from(entries) * SQE_BYTES,
+                usize::from(entries) * CQE_BYTES,
+            ])?;
             let lists = match lists_per_cmd {
                 0 => None,
-                k => Some(self.dma.alloc(usize::from(entries) * k * PAGE)?),
+                k => match self.dma.alloc(usize::from(entries) * k * PAGE) {
+                    Ok(l) => Some(l),
+                    Err(e) => {
+                        self.dma.free(sq);
+                        self.dma.free(cq);
+                        return Err(e);
+                    }
+                },
             };
             let (sq_iova, cq_iova) = (sq.iova(), cq.iova());
             // Kept before creation, so the regions are released whatever happens next.

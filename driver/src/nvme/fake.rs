@@ -85,6 +85,9 @@ pub(crate) struct State {
     pub dead: bool,
     /// Reads return all ones, as from a device that left the bus.
     pub removed: bool,
+    /// DMA allocations made so far, and the one (0-based) that fails, if any.
+    pub allocs: usize,
+    pub fail_alloc: Option<usize>,
     /// CSTS.RDY takes this many CSTS reads to follow CC.EN.
     pub ready_delay: u32,
     /// Opcodes of every command run, per queue id.
@@ -135,6 +138,8 @@ impl Fake {
             inject: VecDeque::new(),
             dead: false,
             removed: false,
+            allocs: 0,
+            fail_alloc: None,
             ready_delay: 3,
             log: Vec::new(),
             flushes: 0,
@@ -263,6 +268,13 @@ impl Registers for FakeBar {
 
 impl Dma for FakeDma {
     fn alloc(&mut self, bytes: usize) -> Result<DmaRegion, Error> {
+        {
+            let mut s = self.0.state();
+            s.allocs += 1;
+            if s.fail_alloc == Some(s.allocs - 1) {
+                return Err(Error::ZeroSizedRegion);
+            }
+        }
         let opts = PinnedOptions {
             huge_pages: HugePages::Never,
             locking: Locking::Never,

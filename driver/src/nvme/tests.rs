@@ -398,3 +398,21 @@ fn a_removed_device_is_reported_without_waiting() {
         start.elapsed()
     );
 }
+
+#[test]
+fn a_failed_allocation_at_any_step_of_bring_up_leaves_nothing_mapped() {
+    let fake = Fake::new(64, 64);
+    drop(up(&fake, 8));
+    let allocs = fake.state().allocs;
+    // Admin SQ, CQ, Identify page; then SQ, CQ and PRP lists of each of two I/O pairs.
+    assert_eq!(allocs, 9);
+    for k in 0..allocs {
+        let fake = Fake::new(64, 64);
+        fake.state().fail_alloc = Some(k);
+        assert!(
+            Controller::new(fake.bar(), fake.dma(), opts(8)).is_err(),
+            "{k}"
+        );
+        assert_eq!(fake.mapped(), 0, "allocation {k} failed");
+    }
+}
