@@ -416,3 +416,50 @@ fn a_failed_allocation_at_any_step_of_bring_up_leaves_nothing_mapped() {
         assert_eq!(fake.mapped(), 0, "allocation {k} failed");
     }
 }
+
+/// Host CPU per command of the driver plus the fake (which copies the data and walks the
+/// PRPs): an upper bound on the driver's own cost per I/O. Prints a table; see docs/nvme.md.
+#[test]
+#[ignore = "measurement: cargo test -p kvstack-driver --lib nvme_per_command_cost -- --ignored --nocapture"]
+fn nvme_per_command_cost() {
+    let fake = Fake::new(4096, 1024);
+    let mut c = Controller::new(
+        fake.bar(),
+        fake.dma(),
+        ControllerOptions {
+            io_queue_entries: 128,
+            ..opts(128)
+        },
+    )
+    .unwrap();
+    let buf = c.alloc(64 * (128 << 10)).unwrap();
+    println!("| transfer | queue depth | commands | us per command | MB/s |");
+    for (bytes, depth) in [(4096usize, 1usize), (4096, 16), (4096, 64), (128 << 10, 16)] {
+        let n = 20_000usize.min((256 << 20) / bytes);
+        let mut out = Vec::new();
+        let start = Instant::now();
+        let (mut sent, mut done) = (0usize, 0usize);
+        while done < n {
+            while sent < n && sent - done < depth {
+                let slot = sent % 64;
+                let lba = ((sent * bytes / PAGE) % (4096 - bytes / PAGE)) as u64;
+                c.submit(
+                    0,
+                    req(IoKind::Read, lba, slice(&buf, slot * (128 << 10), bytes), 0),
+                )
+                .unwrap();
+                sent += 1;
+            }
+            out.clear();
+            done += c.wait(1, &mut out).unwrap();
+            assert!(out.iter().all(|c| c.result.is_ok()));
+        }
+        let t = start.elapsed().as_secs_f64();
+        println!(
+            "| {} KiB | {depth} | {n} | {:.2} | {:.0} |",
+            bytes >> 10,
+            t * 1e6 / n as f64,
+            (n * bytes) as f64 / t / 1e6
+        );
+    }
+}
