@@ -6,8 +6,8 @@
 //!
 //! This needs a machine with an IOMMU (or QEMU's `intel-iommu`) and the controller bound to
 //! `vfio-pci`; the unit tests cover what runs without one (address parsing, the MMIO accessors
-//! over ordinary memory). The ignored test `vfio_nvme_round_trip` runs the driver on a real
-//! device named by `KVSTACK_VFIO_NVME`.
+//! over ordinary memory). The ignored `vfio_nvme_*` tests run the driver on a real device
+//! named by `KVSTACK_VFIO_NVME`; `scripts/vfio-rig` runs them in a QEMU guest.
 
 use std::collections::BTreeMap;
 use std::num::NonZeroUsize;
