@@ -565,6 +565,14 @@ impl<R: Registers, D: Dma> Controller<R, D> {
             (_, None) => return bad(format!("a {} needs a buffer", req.kind.name())),
             (_, Some(b)) => b,
         };
+        // A freed region (or another controller's) has no IOVA mapping: the device's DMA would
+        // fault in the IOMMU (docs/nvme.md "The QEMU rig") and the command time out.
+        if !self.dma.is_mapped(&buf.region) {
+            return bad(format!(
+                "the buffer's region (IOVA {:#x}) is not mapped for this controller",
+                buf.region.iova()
+            ));
+        }
         if buf.len == 0 || buf.offset % PAGE != 0 || buf.len % PAGE != 0 {
             return bad(format!(
                 "buffer range {}+{} is not whole {PAGE}-byte pages",

@@ -292,6 +292,14 @@ impl Dma for FakeDma {
     fn free(&mut self, region: DmaRegion) {
         self.0.state().mem.remove(&region.iova());
     }
+
+    fn is_mapped(&self, region: &DmaRegion) -> bool {
+        self.0
+            .state()
+            .mem
+            .get(&region.iova())
+            .is_some_and(|r| r.same(region))
+    }
 }
 
 type Outcome = Result<u32, Status>;

@@ -84,6 +84,8 @@ pub trait Dma: Send {
     /// Unmaps a region from the device. The caller guarantees that no command can still reach
     /// it (module docs).
     fn free(&mut self, region: DmaRegion);
+    /// Whether `region` is one this implementation mapped and has not freed.
+    fn is_mapped(&self, region: &DmaRegion) -> bool;
 }
 
 /// A pinned region mapped for a device at an IOVA. Cloning shares the region (the memory

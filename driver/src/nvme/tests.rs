@@ -217,6 +217,17 @@ fn bad_requests_are_refused_before_reaching_the_device() {
         assert!(err.to_string().contains(want), "{err}");
     }
     assert!(c.submit(5, req(IoKind::Flush, 0, None, 0)).is_err());
+    // A freed region, and one from another controller's allocator, are not mapped here.
+    let freed = c.alloc(PAGE).unwrap();
+    c.free(freed.clone()).unwrap();
+    let other = Fake::new(64, 64);
+    let foreign = other.dma().alloc(PAGE).unwrap();
+    for region in [&freed, &foreign] {
+        let err = c
+            .submit(0, req(IoKind::Read, 0, slice(region, 0, PAGE), 0))
+            .unwrap_err();
+        assert!(err.to_string().contains("not mapped"), "{err}");
+    }
     assert_eq!(fake.state().log.len(), commands);
 }
 

@@ -215,6 +215,12 @@ impl Dma for VfioDma {
             Err(e) => log::error!("VFIO_IOMMU_UNMAP_DMA at {iova:#x} failed ({e}); memory kept"),
         }
     }
+
+    fn is_mapped(&self, region: &DmaRegion) -> bool {
+        self.mapped
+            .get(&region.iova())
+            .is_some_and(|r| r.same(region))
+    }
 }
 
 impl Drop for VfioDma {
@@ -446,7 +452,10 @@ mod tests {
             let data = pattern(lba, len);
             buf.volatile().write(PAGE, &data).unwrap();
             c.run(io(IoKind::Write, lba, &buf, PAGE, len)).unwrap();
-            c.free(buf).unwrap();
+            c.free(buf.clone()).unwrap();
+            // Unmapped now: refused before the device could fault on it in the IOMMU.
+            let err = c.run(io(IoKind::Write, lba, &buf, PAGE, len)).unwrap_err();
+            assert!(err.to_string().contains("not mapped"), "{err}");
             done.push((lba, data));
             lba += len as u64 / block + 24;
         }
