@@ -555,6 +555,40 @@ mod tests {
         );
     }
 
+    /// Bring-up refusals on the real device are named, and leave it usable: namespace 2 is
+    /// inactive on the rig's controller (Identify Namespace returns zeros: NSZE = 0), a
+    /// namespace above Identify Controller's NN does not exist; a bring-up after both works.
+    #[test]
+    #[ignore = "needs an NVMe controller bound to vfio-pci (KVSTACK_VFIO_NVME=DDDD:BB:DD.F)"]
+    fn vfio_nvme_bring_up_refusals() {
+        let Some(address) = device() else { return };
+        let chain = |namespace: u32| {
+            let (bar, dma) = open(&address).unwrap();
+            let opts = ControllerOptions {
+                namespace,
+                ..ControllerOptions::default()
+            };
+            let err = Controller::new(bar, dma, opts).unwrap_err();
+            let source = std::error::Error::source(&err).map(|e| e.to_string());
+            format!("{err}: {}", source.unwrap_or_default())
+        };
+        let inactive = chain(2);
+        assert!(inactive.contains("NSZE"), "{inactive}");
+        let nn = bring_up(&address, ControllerOptions::default())
+            .info()
+            .unwrap()
+            .namespaces;
+        let missing = chain(nn + 1);
+        assert!(
+            missing.contains(&format!("namespace {}", nn + 1)),
+            "{missing}"
+        );
+        let mut c = bring_up(&address, ControllerOptions::default());
+        let len = 4 * PAGE;
+        let buf = c.alloc(len).unwrap();
+        c.run(io(IoKind::Read, 0, &buf, 0, len)).unwrap();
+    }
+
     /// 4 KiB random-ish reads at queue depth 1 and 16 on one queue: latency (QD 1) and IOPS.
     /// Prints a table; asserts only that every read succeeded. The device's numbers are set by
     /// whatever implements it (QEMU's emulation in the rig).
