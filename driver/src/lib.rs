@@ -12,6 +12,7 @@
 
 pub mod blockio;
 pub mod lock;
+pub mod nvme;
 mod os;
 pub mod pinned;
 pub mod probe;
@@ -84,6 +85,82 @@ pub enum Error {
         /// The OS error (errno kept).
         #[source]
         source: std::io::Error,
+    },
+    /// A BAR access outside the BAR, or misaligned for its width.
+    #[error("register access of {width} bytes at offset {offset:#x} is outside BAR0 or misaligned")]
+    NvmeRegister {
+        /// Byte offset in the BAR.
+        offset: usize,
+        /// Bytes accessed.
+        width: usize,
+    },
+    /// The NVMe controller lacks something the driver needs.
+    #[error("NVMe controller: unsupported {what}")]
+    NvmeUnsupported {
+        /// What.
+        what: String,
+    },
+    /// The NVMe controller did not answer in time.
+    #[error("NVMe {what}: no answer after {after:?}")]
+    NvmeTimeout {
+        /// What was awaited.
+        what: String,
+        /// How long.
+        after: std::time::Duration,
+    },
+    /// CSTS.CFS: the controller reports a fatal error; only a reset recovers it.
+    #[error("NVMe controller fatal status (CSTS.CFS) while {during}")]
+    NvmeFatal {
+        /// What the driver was doing.
+        during: &'static str,
+    },
+    /// Register reads return all ones: the device is gone.
+    #[error("NVMe controller registers read as all ones: the device was removed")]
+    NvmeRemoved,
+    /// The controller returned data that does not decode (CAP, Identify).
+    #[error("NVMe controller returned invalid data")]
+    NvmeFormat(#[source] kvstack_firmware_interface::Error),
+    /// A command completed with an error status.
+    #[error("NVMe {command} failed: {status}")]
+    NvmeCommand {
+        /// The command.
+        command: &'static str,
+        /// Its status (type and code).
+        status: kvstack_firmware_interface::nvme::Status,
+    },
+    /// A command was aborted by the driver (reset, or another command's timeout).
+    #[error("NVMe {command} aborted: {reason}")]
+    NvmeAborted {
+        /// The command.
+        command: &'static str,
+        /// Why.
+        reason: String,
+    },
+    /// The controller failed earlier and must be reset before new commands.
+    #[error("NVMe controller unusable: {reason}")]
+    NvmeFailed {
+        /// What happened.
+        reason: String,
+    },
+    /// A request the driver refuses before sending it.
+    #[error("NVMe request refused: {reason}")]
+    NvmeRequest {
+        /// Why.
+        reason: String,
+    },
+    /// The queue has no free entry.
+    #[error("NVMe I/O queue {queue} is full")]
+    NvmeQueueFull {
+        /// Queue id.
+        queue: u16,
+    },
+    /// A VFIO step failed (opening the device, mapping BAR0, an IOMMU mapping).
+    #[error("VFIO {what}: {reason}")]
+    Vfio {
+        /// The step.
+        what: &'static str,
+        /// Why (the ioctl's error).
+        reason: String,
     },
     /// A volatile access outside its view.
     #[error("access of {count} bytes at offset {offset} is outside a {len}-byte region")]

@@ -11,10 +11,13 @@
 //! - [`rows`]: the same formats at any width that is a whole number of tiles (small models).
 //! - [`record`]: the SSD tier's segment and record headers (`docs/ssd-format.md`), with
 //!   CRC-32C checksums and validation before any arithmetic on values read from disk.
+//! - [`nvme`]: NVMe controller registers, queue entries, Identify data, commands and PRPs
+//!   (`docs/nvme.md`), for the userspace NVMe driver in `kvstack-driver`.
 #![forbid(unsafe_code)]
 
 pub mod element;
 pub mod entry;
+pub mod nvme;
 pub mod record;
 pub mod rows;
 
@@ -136,6 +139,34 @@ pub enum Error {
         stored: u32,
         /// The CRC of the bytes read.
         computed: u32,
+    },
+    /// An NVMe structure read from a device holds a value this code does not accept.
+    #[error("NVMe {structure} field {field} = {value:#x}: {reason}")]
+    NvmeField {
+        /// The structure (`CAP`, `Identify Controller`, ...).
+        structure: &'static str,
+        /// The field.
+        field: &'static str,
+        /// Its value.
+        value: u64,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// Fewer bytes than an NVMe structure needs.
+    #[error("NVMe {structure} truncated: {needed} bytes needed, {available} available")]
+    NvmeLength {
+        /// The structure.
+        structure: &'static str,
+        /// Bytes it needs.
+        needed: usize,
+        /// Bytes there were.
+        available: usize,
+    },
+    /// A data pointer that cannot be built (NVMe PRPs, base specification §4.3).
+    #[error("NVMe PRP: {reason}")]
+    NvmePrp {
+        /// What is wrong.
+        reason: String,
     },
     /// A segment size that is not a multiple of 4 KiB of at least two pages.
     #[error("segment size {bytes} is not a multiple of 4096 of at least 8192 bytes")]
