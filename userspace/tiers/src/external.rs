@@ -132,7 +132,7 @@ impl Tiers {
         let mut window = None;
         if let Some(key) = hit.key() {
             let mut snap = Vec::new();
-            if self.pool().get(&key, &mut snap)
+            if self.get_window(hit.tenant, &key, &mut snap).is_some()
                 && parse_snapshot(&snap, g).is_some_and(|s| s.tokens == hit.tokens)
             {
                 window = Some(snap);
@@ -235,7 +235,7 @@ impl Tiers {
         let ticket =
             self.store()
                 .delete_unit(self.model(), tenant, tokens, self.geometry().page_tokens)?;
-        self.pool().remove(&ticket.key);
+        self.remove_window(tenant.id(), &ticket.key);
         Ok(ticket)
     }
 
