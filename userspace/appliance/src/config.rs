@@ -128,6 +128,13 @@ struct LimitsFile {
 struct PoolFile {
     capacity_bytes: Option<u64>,
     ttl_ms: Option<u64>,
+    backend: Option<String>,
+    local_level: Option<bool>,
+    redis_nodes: Option<Vec<String>>,
+    redis_key_prefix: Option<String>,
+    redis_connect_timeout_ms: Option<u64>,
+    redis_io_timeout_ms: Option<u64>,
+    redis_retry_ms: Option<u64>,
 }
 
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -255,6 +262,9 @@ pub struct Config {
     pub pool_capacity_bytes: Option<u64>,
     /// Window snapshot time to live.
     pub pool_ttl_ms: u64,
+    /// `window_pool.backend = "redis-cluster"`: the pool's Redis Cluster level
+    /// (`docs/cluster.md`); `None` for `"dram"`.
+    pub pool_remote: Option<kvstack_tiers::RedisOptions>,
     /// SSD store capacity; `None`: the store's default.
     pub ssd_capacity_bytes: Option<u64>,
     /// Units retained at least this long after last use.
@@ -480,6 +490,7 @@ impl Config {
             1,
             86_400_000,
         )?;
+        let pool_remote = pool_remote(&f.window_pool)?;
         let ssd_capacity_bytes = match f.ssd.capacity_bytes {
             None => None,
             Some(b) if b < 256 << 20 => {
@@ -508,6 +519,7 @@ impl Config {
             limits,
             pool_capacity_bytes,
             pool_ttl_ms,
+            pool_remote,
             ssd_capacity_bytes,
             ssd_retention_hours,
             drain_timeout_ms,
@@ -569,6 +581,101 @@ fn check_remote(listen: &[Listen], allow_remote: bool) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The Redis Cluster level of `[window_pool]`, checked (`docs/appliance.md`).
+fn pool_remote(p: &PoolFile) -> Result<Option<kvstack_tiers::RedisOptions>> {
+    let redis_keys = p.redis_nodes.is_some()
+        || p.redis_key_prefix.is_some()
+        || p.redis_connect_timeout_ms.is_some()
+        || p.redis_io_timeout_ms.is_some()
+        || p.redis_retry_ms.is_some()
+        || p.local_level.is_some();
+    match p.backend.as_deref().unwrap_or("dram") {
+        "dram" if redis_keys => {
+            return Err(bad(
+                "window_pool.backend",
+                "redis_* and local_level keys need backend = \"redis-cluster\"".into(),
+            ));
+        }
+        "dram" => return Ok(None),
+        "redis-cluster" => {}
+        other => {
+            return Err(bad(
+                "window_pool.backend",
+                format!("`{other}`: expected \"dram\" or \"redis-cluster\""),
+            ));
+        }
+    }
+    let nodes = p.redis_nodes.clone().unwrap_or_default();
+    if nodes.is_empty() || nodes.len() > 64 {
+        return Err(bad(
+            "window_pool.redis_nodes",
+            "1 to 64 seed node URLs needed with backend = \"redis-cluster\"".into(),
+        ));
+    }
+    for (i, n) in nodes.iter().enumerate() {
+        let ok = n
+            .strip_prefix("redis://")
+            .is_some_and(|rest| !rest.is_empty() && rest.bytes().all(|b| b.is_ascii_graphic()));
+        if !ok || n.len() > 256 {
+            return Err(bad(
+                &format!("window_pool.redis_nodes[{i}]"),
+                format!("`{n}`: expected redis://HOST:PORT"),
+            ));
+        }
+    }
+    let prefix = p
+        .redis_key_prefix
+        .clone()
+        .unwrap_or_else(|| kvstack_tiers::redis_pool::DEFAULT_KEY_PREFIX.into());
+    if prefix.is_empty()
+        || prefix.len() > 64
+        || !prefix.bytes().all(|b| b.is_ascii_graphic())
+        || prefix.contains(['{', '}'])
+    {
+        return Err(bad(
+            "window_pool.redis_key_prefix",
+            format!("`{prefix}`: 1 to 64 printable ASCII characters, no braces"),
+        ));
+    }
+    let mut o = kvstack_tiers::RedisOptions::new(nodes);
+    o.key_prefix = prefix;
+    o.connect_timeout_ms = range(
+        "window_pool.redis_connect_timeout_ms",
+        p.redis_connect_timeout_ms,
+        o.connect_timeout_ms,
+        1,
+        60_000,
+    )?;
+    o.io_timeout_ms = range(
+        "window_pool.redis_io_timeout_ms",
+        p.redis_io_timeout_ms,
+        o.io_timeout_ms,
+        1,
+        60_000,
+    )?;
+    o.retry_ms = range(
+        "window_pool.redis_retry_ms",
+        p.redis_retry_ms,
+        o.retry_ms,
+        10,
+        600_000,
+    )?;
+    o.local_level = p.local_level.unwrap_or(true);
+    // The client parses the URLs the same way at start; refuse here, with the key.
+    kvstack_tiers::RedisPool::new(o.clone(), 1).map_err(|e| {
+        bad(
+            "window_pool.redis_nodes",
+            format!(
+                "{e}{}",
+                std::error::Error::source(&e)
+                    .map(|s| format!(": {s}"))
+                    .unwrap_or_default()
+            ),
+        )
+    })?;
+    Ok(Some(o))
 }
 
 fn tenants(list: &[TenantFile], e: &EngineConfig, l: &Limits) -> Result<Vec<Tenant>> {
@@ -685,6 +792,18 @@ mod tests {
         assert_eq!(c.listen, vec![Listen::Unix(PathBuf::from(DEFAULT_SOCKET))]);
         assert_eq!(c.tenants.len(), 1);
         assert!(c.tenant_for_key(None).is_some());
+        assert_eq!(c.pool_remote, None);
+        let c = Config::from_toml_str(
+            "[window_pool]\nbackend = \"redis-cluster\"\nredis_nodes = [\"redis://127.0.0.1:7000\"]",
+            "t",
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let r = c.pool_remote.unwrap_or_else(|| panic!("no redis options"));
+        assert_eq!(
+            (r.key_prefix.as_str(), r.connect_timeout_ms, r.io_timeout_ms),
+            ("kvstack:", 500, 1000)
+        );
+        assert_eq!((r.retry_ms, r.local_level), (1000, true));
     }
 
     #[test]
@@ -705,6 +824,27 @@ mod tests {
             (
                 "[window_pool]\ncapacity_bytes = 5",
                 "window_pool.capacity_bytes",
+            ),
+            (
+                "[window_pool]\nbackend = \"memcached\"",
+                "window_pool.backend",
+            ),
+            ("[window_pool]\nredis_retry_ms = 100", "window_pool.backend"),
+            (
+                "[window_pool]\nbackend = \"redis-cluster\"",
+                "window_pool.redis_nodes",
+            ),
+            (
+                "[window_pool]\nbackend = \"redis-cluster\"\nredis_nodes = [\"http://x:1\"]",
+                "window_pool.redis_nodes[0]",
+            ),
+            (
+                "[window_pool]\nbackend = \"redis-cluster\"\nredis_nodes = [\"redis://a:1\"]\nredis_key_prefix = \"{x}\"",
+                "window_pool.redis_key_prefix",
+            ),
+            (
+                "[window_pool]\nbackend = \"redis-cluster\"\nredis_nodes = [\"redis://a:1\"]\nredis_io_timeout_ms = 0",
+                "window_pool.redis_io_timeout_ms",
             ),
         ];
         for (text, want) in cases {

@@ -134,7 +134,22 @@ async fn readyz(State(s): St) -> Response {
             "recovering the SSD store".into(),
         );
     }
-    "ready\n".into_response()
+    // Redis down is not unready: the node serves from its own tiers (misses only).
+    let tiers = s.shared.tiers.read().ok().and_then(|t| t.clone());
+    match tiers
+        .as_deref()
+        .and_then(|t| t.remote())
+        .map(|r| r.health())
+    {
+        None => "ready\n".into_response(),
+        Some(h) if h.up => "ready\nwindow pool redis-cluster: up\n".into_response(),
+        Some(h) => format!(
+            "ready\nwindow pool redis-cluster: down for {:.1} s ({}); serving from local tiers\n",
+            h.down_for_ms.unwrap_or(0) as f64 / 1e3,
+            h.last_error.unwrap_or_default()
+        )
+        .into_response(),
+    }
 }
 
 async fn metrics(State(s): St) -> Response {
@@ -570,6 +585,11 @@ fn usage(prompt_tokens: u64, d: &JobDone) -> Value {
             "ssd_tokens": r.ssd_tokens,
             "ssd_bytes": r.ssd_bytes,
             "dram_window": r.window_from_pool,
+            "window_source": match (r.window_from_pool, r.window_from_remote) {
+                (false, _) => Value::Null,
+                (true, false) => json!("dram"),
+                (true, true) => json!("redis-cluster"),
+            },
             "replayed_tokens": r.replayed_tokens,
             "computed_tokens": r.computed_tokens,
             "ttft_ms": d.ttft.as_secs_f64() * 1e3,

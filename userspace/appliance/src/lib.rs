@@ -160,6 +160,7 @@ pub fn service_options(cfg: &Config) -> ServiceOptions {
         ttl_ms: cfg.pool_ttl_ms,
         ..PoolOptions::new(1)
     };
+    tiers.remote = cfg.pool_remote.clone();
     opts.tiers = Some(tiers);
     opts.threads = if cfg.engine.threads == 0 {
         std::thread::available_parallelism().map_or(1, |n| n.get())

@@ -96,6 +96,7 @@ impl RedisCluster {
             String::from_utf8_lossy(&out.stderr)
         );
         c.wait_ok(Duration::from_secs(20));
+        c.wait_roles(Duration::from_secs(20));
         c.wait_replicas(Duration::from_secs(20));
         Some(c)
     }
@@ -111,6 +112,8 @@ impl RedisCluster {
             // Fast failure detection: a stopped master is failed over within seconds.
             .args(["--cluster-node-timeout", "1500"])
             .args(["--appendonly", "no", "--save", ""])
+            // A master otherwise waits 5 s for more replicas before the first sync.
+            .args(["--repl-diskless-sync-delay", "0"])
             .arg("--dir")
             .arg(self.dir.path())
             .stdin(Stdio::null())
@@ -172,6 +175,30 @@ impl RedisCluster {
                     Instant::now() < end,
                     "the cluster is not ok after {limit:?} (node {p}); logs in {}",
                     self.dir.path().display()
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+
+    /// Waits until every node sees 3 masters and 3 replicas, none failing (the roles that
+    /// `--cluster create` set have spread by gossip).
+    fn wait_roles(&self, limit: Duration) {
+        let end = Instant::now() + limit;
+        for &p in &self.ports {
+            loop {
+                let text = self.cli(p, &["cluster", "nodes"]).unwrap_or_default();
+                let count = |role: &str| {
+                    text.lines()
+                        .filter(|l| l.contains(role) && !l.contains("fail"))
+                        .count()
+                };
+                if count("master") == NODES / 2 && count("slave") == NODES / 2 {
+                    break;
+                }
+                assert!(
+                    Instant::now() < end,
+                    "node {p} does not see 3 masters and 3 replicas: {text}"
                 );
                 std::thread::sleep(Duration::from_millis(50));
             }
