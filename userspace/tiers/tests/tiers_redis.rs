@@ -240,3 +240,108 @@ fn failover_and_a_stopped_cluster_give_misses_and_it_recovers() {
     assert!(p.health().up);
     assert_eq!(p.stats().incidents, incidents + 1);
 }
+
+/// docs/cluster.md's table: a V4.1-Flash window snapshot (2.7 MB) read back from the DRAM
+/// level and from the Redis Cluster level (GET, header and CRC-32C check, copy), and 8 at a
+/// time through one pipeline, in the same run. `cargo test -p kvstack-tiers --release --test
+/// tiers_redis -- --ignored --nocapture measure`.
+#[test]
+#[ignore = "measurement for docs/cluster.md; prints a table"]
+fn measure_window_snapshot_restore_local_vs_redis() {
+    use kvstack_driver::pinned::{HugePages, Locking, PinnedOptions};
+    use kvstack_tiers::{PoolOptions, SystemClock, WindowPool};
+    let Some(c) = RedisCluster::start() else {
+        return;
+    };
+    let cfg = kvstack_spec::builtin::default_config().unwrap();
+    let plan = kvstack_spec::plan::LayerPlan::from_config(&cfg).unwrap();
+    let g = kvstack_cache::CacheGeometry::new(&cfg, &plan, 256).unwrap();
+    let bytes = kvstack_tiers::unit::snapshot_bytes(&g);
+    let n = 32usize;
+    let p = pool(&c, 600_000, "measure:");
+    let local = WindowPool::new(
+        PoolOptions {
+            capacity_bytes: Some((n * bytes.next_multiple_of(4096)) as u64),
+            ttl_ms: 600_000,
+            slot_bytes: bytes,
+            memory: PinnedOptions {
+                huge_pages: HugePages::Never,
+                locking: Locking::Never,
+            },
+        },
+        std::sync::Arc::new(SystemClock),
+    )
+    .unwrap();
+    let model = ModelFingerprint([5; 32]);
+    let keys: Vec<[u8; 32]> = (0..n).map(|i| [i as u8; 32]).collect();
+    let id = |k: usize| SnapshotId {
+        tenant: 1,
+        model: &model,
+        key: &keys[k],
+    };
+    let snaps: Vec<Vec<u8>> = (0..n).map(|k| snapshot(k as u8, bytes)).collect();
+    let mut put_ms = Vec::new();
+    for k in 0..n {
+        local.put(keys[k], &snaps[k]).unwrap();
+        let t = Instant::now();
+        assert!(p.put(id(k), &snaps[k]));
+        put_ms.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    let mut out = Vec::with_capacity(bytes);
+    let time = |f: &mut dyn FnMut(usize)| {
+        let mut ms: Vec<f64> = (0..n)
+            .map(|k| {
+                let t = Instant::now();
+                f(k);
+                t.elapsed().as_secs_f64() * 1e3
+            })
+            .collect();
+        ms.sort_by(f64::total_cmp);
+        let total: f64 = ms.iter().sum();
+        (ms[n / 2], ms[n * 9 / 10], (n * bytes) as f64 / total / 1e6)
+    };
+    let dram = time(&mut |k| {
+        assert!(local.get(&keys[k], &mut out) && out == snaps[k]);
+    });
+    let redis = time(&mut |k| {
+        assert!(p.get(id(k), &mut out) && out == snaps[k]);
+    });
+    // Pipelined: each batch's time split over its 8 snapshots.
+    let mut per: Vec<f64> = (0..n / 8)
+        .map(|b| {
+            let ids: Vec<_> = (b * 8..b * 8 + 8).map(id).collect();
+            let t = Instant::now();
+            let got = p.get_many(&ids);
+            let ms = t.elapsed().as_secs_f64() * 1e3 / 8.0;
+            assert!(
+                got.iter()
+                    .zip(b * 8..)
+                    .all(|(g, j)| g.as_deref() == Some(&snaps[j][..]))
+            );
+            ms
+        })
+        .collect();
+    per.sort_by(f64::total_cmp);
+    let batch = (
+        per[per.len() / 2],
+        per[per.len() * 9 / 10],
+        (n * bytes) as f64 / (per.iter().sum::<f64>() * 8.0) / 1e6,
+    );
+    put_ms.sort_by(f64::total_cmp);
+    println!("snapshot {bytes} bytes, {n} snapshots, 6-process cluster on 127.0.0.1");
+    println!("| read | p50 ms | p90 ms | GB/s |");
+    println!("|---|---|---|---|");
+    for (name, (p50, p90, gbs)) in [
+        ("DRAM level (WindowPool::get, copy)", dram),
+        ("Redis Cluster level (GET + CRC-32C + copy)", redis),
+        ("Redis Cluster, 8 per pipeline (per snapshot)", batch),
+    ] {
+        println!("| {name} | {p50:.3} | {p90:.3} | {gbs:.2} |");
+    }
+    println!(
+        "| Redis Cluster put (SET PX) | {:.3} | {:.3} | {:.2} |",
+        put_ms[n / 2],
+        put_ms[n * 9 / 10],
+        (n * bytes) as f64 / put_ms.iter().sum::<f64>() / 1e6
+    );
+}
