@@ -135,6 +135,7 @@ struct PoolFile {
     redis_connect_timeout_ms: Option<u64>,
     redis_io_timeout_ms: Option<u64>,
     redis_retry_ms: Option<u64>,
+    redis_node_id: Option<String>,
 }
 
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -590,6 +591,7 @@ fn pool_remote(p: &PoolFile) -> Result<Option<kvstack_tiers::RedisOptions>> {
         || p.redis_connect_timeout_ms.is_some()
         || p.redis_io_timeout_ms.is_some()
         || p.redis_retry_ms.is_some()
+        || p.redis_node_id.is_some()
         || p.local_level.is_some();
     match p.backend.as_deref().unwrap_or("dram") {
         "dram" if redis_keys => {
@@ -663,6 +665,15 @@ fn pool_remote(p: &PoolFile) -> Result<Option<kvstack_tiers::RedisOptions>> {
         600_000,
     )?;
     o.local_level = p.local_level.unwrap_or(true);
+    if let Some(n) = &p.redis_node_id {
+        if n.is_empty() || n.len() > 128 || !n.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(bad(
+                "window_pool.redis_node_id",
+                format!("`{n}`: 1 to 128 printable ASCII characters"),
+            ));
+        }
+        o.node_id = Some(n.clone());
+    }
     // The client parses the URLs the same way at start; refuse here, with the key.
     kvstack_tiers::RedisPool::new(o.clone(), 1).map_err(|e| {
         bad(
@@ -845,6 +856,10 @@ mod tests {
             (
                 "[window_pool]\nbackend = \"redis-cluster\"\nredis_nodes = [\"redis://a:1\"]\nredis_io_timeout_ms = 0",
                 "window_pool.redis_io_timeout_ms",
+            ),
+            (
+                "[window_pool]\nbackend = \"redis-cluster\"\nredis_nodes = [\"redis://a:1\"]\nredis_node_id = \"a b\"",
+                "window_pool.redis_node_id",
             ),
         ];
         for (text, want) in cases {

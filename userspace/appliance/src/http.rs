@@ -861,10 +861,19 @@ async fn kv_lookup(State(s): St, headers: HeaderMap, body: Body) -> Response {
         if hit.tokens > 0 {
             st.metrics.kv_hits.get_or_create(&label).inc();
         }
+        // The shared prefix index (docs/cluster.md): which node holds the longest prefix, for
+        // routers and for fetching from a peer; null without an index or when Redis is down.
+        let page = tiers.geometry().page_tokens as u64;
+        let cluster = tiers.cluster_lookup(&tokens, &tenant).map(|ix| {
+            let covered = (ix.blocks as u64 * page).min(tokens.len() as u64);
+            json!({"node": ix.entry.node, "tokens": covered.min(ix.entry.unit_tokens),
+                   "unit_tokens": ix.entry.unit_tokens})
+        });
         json!({
             "tokens": hit.tokens,
             "tiers": {"ssd": {"tokens": hit.tokens, "blocks": hit.store.keys.len()},
                       "dram_window": hit.window},
+            "cluster": cluster,
             "page_tokens": tiers.geometry().page_tokens,
             "tenant": {"dram_pool_bytes": tiers.dram_bytes(&tenant),
                        "dram_pool_quota_bytes": tiers.dram_quota(&tenant),

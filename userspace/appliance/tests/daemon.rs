@@ -1079,8 +1079,11 @@ fn two_nodes_share_windows_through_redis_cluster() {
     let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     // Both start at once (each builds the model: seconds on 2 cores).
     let (a, b) = std::thread::scope(|s| {
-        let a = s.spawn(|| Daemon::start_with(da.path(), "", None, &[], 1 << 30, &pool));
-        let b = Daemon::start_with(db.path(), "", None, &[], 1 << 30, &pool);
+        let pool_a = format!("{pool}\nredis_node_id = \"node-a\"");
+        let pool_b = format!("{pool}\nredis_node_id = \"node-b\"");
+        let pa = da.path();
+        let a = s.spawn(move || Daemon::start_with(pa, "", None, &[], 1 << 30, &pool_a));
+        let b = Daemon::start_with(db.path(), "", None, &[], 1 << 30, &pool_b);
         (a.join().unwrap(), b)
     });
     let (_, ready) = b.req("GET", "/readyz", None, "");
@@ -1108,6 +1111,17 @@ fn two_nodes_share_windows_through_redis_cluster() {
         "A holds no window at its unit's end ({n} tokens)"
     );
 
+    // The shared prefix index tells B that node-a holds it: the whole unit for its own
+    // tokens, its whole blocks (256 tokens) for the longer context (whose partial last block
+    // differs from the unit's).
+    let unit = serde_json::json!({"tokens": context[..n as usize]}).to_string();
+    let l = b.json("/v1/kv/lookup", None, &unit);
+    assert_eq!(l["tokens"], 0, "{l}");
+    assert_eq!(l["cluster"]["node"], "node-a", "{l}");
+    assert_eq!(l["cluster"]["tokens"], n, "{l}");
+    let l = b.json("/v1/kv/lookup", None, &get);
+    assert_eq!(l["cluster"]["tokens"], 256, "{l}");
+
     // B gets the global KV only (the window stays with A and in Redis).
     let put = frame::encode(
         n,
@@ -1119,6 +1133,9 @@ fn two_nodes_share_windows_through_redis_cluster() {
     );
     let (st, body) = b.req_bytes("/v1/kv/put?durable=true", None, &put);
     assert_eq!(st, 200, "{}", String::from_utf8_lossy(&body));
+    let l = b.json("/v1/kv/lookup", None, &unit);
+    assert_eq!(l["tokens"].as_u64(), Some(n), "{l}");
+    assert_eq!(l["cluster"]["node"], "node-b", "{l}");
 
     // Turn 2 lands on B: its window comes from Redis Cluster, nothing is replayed.
     let mut turn2 = context[..n as usize].to_vec();

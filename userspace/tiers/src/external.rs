@@ -221,6 +221,7 @@ impl Tiers {
         if let Some(w) = &data.window {
             self.put_window(tenant, ticket.key, w)?;
         }
+        self.index_unit(tenant, tokens);
         Ok(ticket)
     }
 
@@ -236,6 +237,7 @@ impl Tiers {
             self.store()
                 .delete_unit(self.model(), tenant, tokens, self.geometry().page_tokens)?;
         self.remove_window(tenant.id(), &ticket.key);
+        self.unindex_unit(tenant, tokens);
         Ok(ticket)
     }
 

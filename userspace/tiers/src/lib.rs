@@ -8,7 +8,8 @@
 //! - [`window_pool`]: [`WindowPool`], window-KV snapshots in pinned DRAM (10% of RAM by default) with
 //!   a TTL and LRU eviction.
 //! - [`redis_pool`]: [`RedisPool`], the window pool's second level on Redis Cluster, shared by
-//!   the nodes of a deployment (`docs/cluster.md`).
+//!   the nodes of a deployment (`docs/cluster.md`); [`shared_index`]: which node holds which
+//!   unit, on the same cluster.
 //! - [`unit`](mod@unit): [`Tiers`], the prefix units the runtime persists and looks up:
 //!   building block payloads from the paged cache, restoring them into it, the window snapshot
 //!   or the bounded replay that a global hit needs.
@@ -26,6 +27,7 @@ pub mod key;
 pub mod redis_pool;
 mod scan;
 mod segment;
+pub mod shared_index;
 pub mod store;
 pub mod unit;
 pub mod window_pool;

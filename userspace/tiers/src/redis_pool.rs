@@ -57,6 +57,9 @@ pub struct RedisOptions {
     /// try it first); off, puts go to Redis only and the local pool only stages a snapshot
     /// read from Redis until the restore that asked for it.
     pub local_level: bool,
+    /// This node's id in the shared prefix index (`crate::shared_index`): when set, units
+    /// this node persists are indexed under it; `None`: no index entries are written.
+    pub node_id: Option<String>,
 }
 
 impl RedisOptions {
@@ -69,6 +72,7 @@ impl RedisOptions {
             io_timeout_ms: 1000,
             retry_ms: 1000,
             local_level: true,
+            node_id: None,
         }
     }
 }
@@ -102,6 +106,8 @@ pub struct RemoteStats {
     pub get_nanos: u64,
     /// Time in puts, nanoseconds.
     pub put_nanos: u64,
+    /// Successful calls of the shared prefix index (`crate::shared_index`).
+    pub index_calls: u64,
 }
 
 /// The state of the Redis level, for `/readyz` and `/metrics`.
@@ -271,6 +277,16 @@ impl RedisPool {
         if ttl_ms == 0 {
             return Err(bad("ttl_ms", "is 0"));
         }
+        if let Some(n) = &opts.node_id
+            && (n.is_empty()
+                || n.len() > crate::shared_index::MAX_NODE_ID
+                || !n.bytes().all(|b| b.is_ascii_graphic()))
+        {
+            return Err(bad(
+                "node_id",
+                "must be 1 to 128 printable ASCII characters",
+            ));
+        }
         let client = ClusterClient::builder(opts.nodes.iter().map(String::as_str))
             .connection_timeout(Duration::from_millis(opts.connect_timeout_ms))
             .response_timeout(Duration::from_millis(opts.io_timeout_ms))
@@ -354,6 +370,18 @@ impl RedisPool {
                 None
             }
         }
+    }
+
+    /// [`RedisPool::call`] for the shared index: counts the call as a get and gives the
+    /// result only.
+    pub(crate) fn call_counted<T>(
+        &self,
+        what: &str,
+        f: impl FnOnce(&mut ClusterConnection) -> redis::RedisResult<T>,
+    ) -> Option<T> {
+        let (v, mut st) = self.call(what, f)?;
+        st.stats.index_calls += 1;
+        Some(v)
     }
 
     fn failed(&self, st: &mut State, what: &str, e: &redis::RedisError) {

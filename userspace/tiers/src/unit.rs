@@ -140,6 +140,8 @@ pub struct Tiers {
     remote: Option<RedisPool>,
     /// Whether the DRAM pool is the first level in front of `remote` (always, without one).
     local_level: bool,
+    /// Lifetime of shared prefix index entries: the store's retention.
+    index_ttl_ms: u64,
     model: ModelFingerprint,
     geometry: CacheGeometry,
     interval: u64,
@@ -245,6 +247,7 @@ impl Tiers {
             None => None,
         };
         let local_level = opts.remote.as_ref().is_none_or(|r| r.local_level);
+        let index_ttl_ms = opts.store.retention_ms;
         let store = SsdStore::open(opts.store, Arc::clone(&clock))?;
         let pool = WindowPool::new(opts.pool, clock)?;
         Ok(Tiers {
@@ -252,6 +255,7 @@ impl Tiers {
             pool,
             remote,
             local_level,
+            index_ttl_ms,
             model,
             geometry,
             interval: opts.unit_interval_tokens.max(1),
@@ -391,6 +395,49 @@ impl Tiers {
         r.get(self.snapshot_id(tenant, key), out).then_some(true)
     }
 
+    /// Records the unit `tokens` of `tenant` in the shared prefix index under this node's id,
+    /// when there is an index (best effort: a failure is counted by the Redis level).
+    pub(crate) fn index_unit(&self, tenant: &Tenant, tokens: &[u32]) {
+        if let Some(r) = &self.remote
+            && let Some(node) = &r.options().node_id
+        {
+            let keys =
+                crate::key::chain_keys(tokens, self.geometry.page_tokens, &self.model, tenant);
+            r.index_put(
+                tenant.id(),
+                &self.model,
+                &keys,
+                tokens.len() as u64,
+                node,
+                self.index_ttl_ms,
+            );
+        }
+    }
+
+    /// Drops this node's shared prefix index entries of the unit `tokens` of `tenant`.
+    pub(crate) fn unindex_unit(&self, tenant: &Tenant, tokens: &[u32]) {
+        if let Some(r) = &self.remote
+            && let Some(node) = &r.options().node_id
+        {
+            let keys =
+                crate::key::chain_keys(tokens, self.geometry.page_tokens, &self.model, tenant);
+            r.index_remove(tenant.id(), &self.model, &keys, node);
+        }
+    }
+
+    /// The longest prefix of `tokens` that the shared prefix index says some node holds for
+    /// `tenant` (this node included), and which node; `None` without an index, when nothing
+    /// is indexed, or when Redis is down (`docs/cluster.md`).
+    pub fn cluster_lookup(
+        &self,
+        tokens: &[u32],
+        tenant: &Tenant,
+    ) -> Option<crate::shared_index::IndexHit> {
+        let r = self.remote.as_ref()?;
+        let keys = crate::key::chain_keys(tokens, self.geometry.page_tokens, &self.model, tenant);
+        r.index_longest(tenant.id(), &self.model, &keys)
+    }
+
     /// Drops the window snapshot under `key` from both levels.
     pub(crate) fn remove_window(&self, tenant: u64, key: &Key) {
         self.pool.remove(key);
@@ -458,6 +505,7 @@ impl Tiers {
         {
             self.put_window(tenant, ticket.key, &snap)?;
         }
+        self.index_unit(tenant, &tokens[..upto as usize]);
         Ok(ticket)
     }
 

@@ -421,8 +421,10 @@ fn a_second_node_restores_the_window_from_redis() {
     let clock = Arc::new(ManualClock::new(1_700_000_000_000));
     let mut remote = RedisOptions::new(cluster.urls());
     remote.key_prefix = "units:".into();
+    remote.node_id = Some("node-a".into());
     let a = tiers_with(da.path(), clock.clone(), Some(remote.clone()));
     remote.local_level = false;
+    remote.node_id = Some("node-b".into());
     let b = tiers_with(db.path(), clock.clone(), Some(remote));
     let tenant = Tenant::new("acme");
     let tokens: Vec<u32> = (0..1000).map(|i| i * 5 + 3).collect();
@@ -430,6 +432,22 @@ fn a_second_node_restores_the_window_from_redis() {
     let seq = build(&mut src, &tokens, 4);
     a.persist(&src, seq, &tenant, 1000).unwrap().wait().unwrap();
     assert_eq!(a.remote().unwrap().stats().puts, 1);
+
+    // The shared prefix index tells B that node-a holds the 1000 tokens (4 blocks of 256,
+    // the last partial), also for a longer request, and for a request that shares only the
+    // first two blocks; nothing for another tenant.
+    let mut longer = tokens.clone();
+    longer.extend([1, 2, 3]);
+    let ix = b.cluster_lookup(&tokens, &tenant).unwrap();
+    assert_eq!(
+        (ix.blocks, ix.entry.node.as_str(), ix.entry.unit_tokens),
+        (4, "node-a", 1000)
+    );
+    assert_eq!(b.cluster_lookup(&longer, &tenant).unwrap().blocks, 3);
+    let mut diverging = tokens[..600].to_vec();
+    diverging.push(77);
+    assert_eq!(b.cluster_lookup(&diverging, &tenant).unwrap().blocks, 2);
+    assert_eq!(b.cluster_lookup(&tokens, &Tenant::new("other")), None);
 
     // B gets the global KV as bytes (what the KV-cache API carries), not the window.
     let hit = a.lookup(&tokens, &tenant);
@@ -440,6 +458,11 @@ fn a_second_node_restores_the_window_from_redis() {
         .wait()
         .unwrap();
     assert_eq!(b.pool().stats().entries, 0);
+    // Now B holds it too: the last writer's entry wins.
+    assert_eq!(
+        b.cluster_lookup(&tokens, &tenant).unwrap().entry.node,
+        "node-b"
+    );
 
     let mut request = tokens.clone();
     request.push(9);
@@ -472,6 +495,9 @@ fn a_second_node_restores_the_window_from_redis() {
     // A delete on B drops the snapshot from Redis too: A, which still has it in DRAM, is
     // unaffected, but a third node would find none.
     b.delete_unit(&tenant, &tokens).unwrap().wait().unwrap();
+    // B's entries are gone; A's were overwritten by B's, so the index has none (a stale
+    // answer would only cost a miss at the peer).
+    assert_eq!(b.cluster_lookup(&tokens, &tenant), None);
     let hit = a.lookup(&request, &tenant);
     assert!(hit.window);
     let mut out = Vec::new();
