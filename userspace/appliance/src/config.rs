@@ -86,6 +86,35 @@ struct File {
     drain: DrainFile,
     #[serde(default)]
     tenant: Vec<TenantFile>,
+    cluster: Option<ClusterFile>,
+}
+
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ClusterFile {
+    peer_secret: Option<String>,
+    #[serde(default)]
+    peer: Vec<PeerFile>,
+    fetch_timeout_ms: Option<u64>,
+}
+
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PeerFile {
+    node_id: Option<String>,
+    address: Option<String>,
+}
+
+/// `[cluster]`: fetching units' global KV from the node the shared prefix index names
+/// (`docs/cluster.md`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClusterConfig {
+    /// The shared secret nodes authenticate to each other with (`X-Kvstack-Peer`).
+    pub peer_secret: String,
+    /// The other nodes: node id and where their API listens.
+    pub peers: Vec<(String, Listen)>,
+    /// Longest wait for one peer fetch.
+    pub fetch_timeout_ms: u64,
 }
 
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -274,6 +303,8 @@ pub struct Config {
     pub drain_timeout_ms: u64,
     /// Tenants; one default tenant without a key when the file has none.
     pub tenants: Vec<Tenant>,
+    /// Peer fetch between nodes; `None` without a `[cluster]` section.
+    pub cluster: Option<ClusterConfig>,
 }
 
 /// Name of the tenant of a config without `[[tenant]]` sections.
@@ -508,6 +539,10 @@ impl Config {
         )?;
         let drain_timeout_ms = range("drain.timeout_ms", f.drain.timeout_ms, 30_000, 0, 3_600_000)?;
         let tenants = tenants(&f.tenant, &engine, &limits)?;
+        let cluster = match &f.cluster {
+            None => None,
+            Some(c) => Some(cluster(c, pool_remote.as_ref())?),
+        };
         Ok(Config {
             data_dir: f
                 .data_dir
@@ -525,6 +560,7 @@ impl Config {
             ssd_retention_hours,
             drain_timeout_ms,
             tenants,
+            cluster,
         })
     }
 
@@ -540,6 +576,18 @@ impl Config {
         check_remote(&l, self.allow_remote)?;
         self.listen = l;
         Ok(())
+    }
+
+    /// The tenant called `name` when `secret` is this node's `[cluster] peer_secret` (a peer
+    /// node fetching a unit on that tenant's behalf); compared in constant time.
+    pub fn tenant_for_peer(&self, secret: &str, name: &str) -> Option<&Tenant> {
+        let c = self.cluster.as_ref()?;
+        let want: [u8; 32] = Sha256::digest(c.peer_secret.as_bytes()).into();
+        let got: [u8; 32] = Sha256::digest(secret.as_bytes()).into();
+        if !ct_eq(&want, &got) {
+            return None;
+        }
+        self.tenants.iter().find(|t| t.name == name)
     }
 
     /// The tenant whose key hashes to `digest`; with no keys configured, the default tenant.
@@ -582,6 +630,64 @@ fn check_remote(listen: &[Listen], allow_remote: bool) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// `[cluster]`, checked: it needs the shared prefix index (`window_pool.redis_node_id`).
+fn cluster(c: &ClusterFile, remote: Option<&kvstack_tiers::RedisOptions>) -> Result<ClusterConfig> {
+    let Some(own) = remote.and_then(|r| r.node_id.as_deref()) else {
+        return Err(bad(
+            "cluster",
+            "needs window_pool.backend = \"redis-cluster\" and window_pool.redis_node_id (the \
+             shared prefix index names the peers)"
+                .into(),
+        ));
+    };
+    let secret = c
+        .peer_secret
+        .clone()
+        .ok_or_else(|| bad("cluster.peer_secret", "missing".into()))?;
+    if secret.len() < 16 || secret.len() > 256 || !secret.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(bad(
+            "cluster.peer_secret",
+            "16 to 256 printable ASCII characters".into(),
+        ));
+    }
+    let mut peers: Vec<(String, Listen)> = Vec::new();
+    for (i, p) in c.peer.iter().enumerate() {
+        let key = |k: &str| format!("cluster.peer[{i}].{k}");
+        let id = p
+            .node_id
+            .clone()
+            .ok_or_else(|| bad(&key("node_id"), "missing".into()))?;
+        if id.is_empty() || id.len() > 128 || !id.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(bad(
+                &key("node_id"),
+                format!("`{id}`: 1 to 128 printable ASCII characters"),
+            ));
+        }
+        if id == own || peers.iter().any(|(o, _)| *o == id) {
+            return Err(bad(
+                &key("node_id"),
+                format!("`{id}` is this node or given twice"),
+            ));
+        }
+        let addr = p
+            .address
+            .as_deref()
+            .ok_or_else(|| bad(&key("address"), "missing".into()))?;
+        peers.push((id, Listen::parse(&key("address"), addr)?));
+    }
+    Ok(ClusterConfig {
+        peer_secret: secret,
+        peers,
+        fetch_timeout_ms: range(
+            "cluster.fetch_timeout_ms",
+            c.fetch_timeout_ms,
+            10_000,
+            10,
+            600_000,
+        )?,
+    })
 }
 
 /// The Redis Cluster level of `[window_pool]`, checked (`docs/appliance.md`).
@@ -860,6 +966,19 @@ mod tests {
             (
                 "[window_pool]\nbackend = \"redis-cluster\"\nredis_nodes = [\"redis://a:1\"]\nredis_node_id = \"a b\"",
                 "window_pool.redis_node_id",
+            ),
+            ("[cluster]\npeer_secret = \"0123456789abcdef\"", "cluster"),
+            (
+                "[window_pool]\nbackend = \"redis-cluster\"\nredis_nodes = [\"redis://a:1\"]\nredis_node_id = \"a\"\n[cluster]\npeer_secret = \"short\"",
+                "cluster.peer_secret",
+            ),
+            (
+                "[window_pool]\nbackend = \"redis-cluster\"\nredis_nodes = [\"redis://a:1\"]\nredis_node_id = \"a\"\n[cluster]\npeer_secret = \"0123456789abcdef\"\n[[cluster.peer]]\nnode_id = \"a\"\naddress = \"unix:/x\"",
+                "cluster.peer[0].node_id",
+            ),
+            (
+                "[window_pool]\nbackend = \"redis-cluster\"\nredis_nodes = [\"redis://a:1\"]\nredis_node_id = \"a\"\n[cluster]\npeer_secret = \"0123456789abcdef\"\n[[cluster.peer]]\nnode_id = \"b\"\naddress = \"udp:1\"",
+                "cluster.peer[0].address",
             ),
         ];
         for (text, want) in cases {

@@ -55,6 +55,11 @@ pub struct AppState {
 
 type St = State<Arc<AppState>>;
 
+/// Header of node-to-node requests: the `[cluster] peer_secret`.
+pub const PEER_HEADER: &str = "x-kvstack-peer";
+/// Header of node-to-node requests: the tenant the peer acts for.
+pub const PEER_TENANT_HEADER: &str = "x-kvstack-tenant";
+
 /// The router over `state`.
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
@@ -199,6 +204,21 @@ fn tenant(s: &AppState, headers: &HeaderMap) -> Result<(Tenant, Arc<Config>), Re
             "config lock".into(),
         )
     })?;
+    // A peer node (docs/cluster.md): the shared secret and the tenant it fetches for.
+    if let Some(secret) = headers.get(PEER_HEADER).and_then(|v| v.to_str().ok()) {
+        let name = headers
+            .get(PEER_TENANT_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default();
+        return match cfg.tenant_for_peer(secret, name) {
+            Some(t) => Ok((t.clone(), Arc::clone(&cfg))),
+            None => Err(error(
+                StatusCode::UNAUTHORIZED,
+                None,
+                "invalid peer secret or unknown tenant".into(),
+            )),
+        };
+    }
     let key = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
@@ -480,6 +500,10 @@ async fn completions(State(s): St, headers: HeaderMap, body: Body) -> Response {
             "the engine's queue is full".into(),
         );
     }
+    // More of the prompt on another node (the shared prefix index): fetch it first.
+    let peer = crate::peer::maybe_fetch(&s, &cfg, &t, &tokens)
+        .await
+        .map_or(Value::Null, |f| f.to_json());
     let (tx, mut rx) = unbounded_channel();
     let prompt_tokens = tokens.len() as u64;
     let job = Job {
@@ -529,7 +553,7 @@ async fn completions(State(s): St, headers: HeaderMap, body: Body) -> Response {
         let st = Arc::clone(&s);
         let events = async_stream(
             rx,
-            move |e| sse_event(&st, &id, created, &model, prompt_tokens, e),
+            move |e| sse_event(&st, &id, created, &model, prompt_tokens, &peer, e),
             slot,
         );
         return Sse::new(events).into_response();
@@ -555,7 +579,7 @@ async fn completions(State(s): St, headers: HeaderMap, body: Body) -> Response {
                     "model": model,
                     "choices": [{"index": 0, "text": text.unwrap_or_default(), "tokens": d.tokens,
                                  "finish_reason": d.finish_reason, "logprobs": null}],
-                    "usage": usage(prompt_tokens, &d),
+                    "usage": usage(prompt_tokens, &d, &peer),
                 }))
                 .into_response();
             }
@@ -569,7 +593,7 @@ async fn completions(State(s): St, headers: HeaderMap, body: Body) -> Response {
 }
 
 /// `usage` of a finished request: OpenAI's fields plus kvstack's split of the context.
-fn usage(prompt_tokens: u64, d: &JobDone) -> Value {
+fn usage(prompt_tokens: u64, d: &JobDone, peer: &Value) -> Value {
     let r = &d.reuse;
     let cached = r.live_tokens + r.mapped_tokens + r.ssd_tokens;
     json!({
@@ -591,6 +615,7 @@ fn usage(prompt_tokens: u64, d: &JobDone) -> Value {
                 (true, true) => json!("redis-cluster"),
             },
             "replayed_tokens": r.replayed_tokens,
+            "peer_fetch": peer,
             "computed_tokens": r.computed_tokens,
             "ttft_ms": d.ttft.as_secs_f64() * 1e3,
             "ttft_queued_ms": d.ttft_queued.as_secs_f64() * 1e3,
@@ -605,6 +630,7 @@ fn sse_event(
     created: u64,
     model: &str,
     prompt_tokens: u64,
+    peer: &Value,
     e: JobEvent,
 ) -> Vec<SseEvent> {
     let chunk = |choice: Value, usage: Option<Value>| {
@@ -629,7 +655,7 @@ fn sse_event(
         JobEvent::Done(d) => vec![
             chunk(
                 json!({"index": 0, "text": "", "finish_reason": d.finish_reason}),
-                Some(usage(prompt_tokens, &d)),
+                Some(usage(prompt_tokens, &d, peer)),
             ),
             SseEvent::default().data("[DONE]"),
         ],

@@ -82,6 +82,12 @@ pub struct Metrics {
     pub kv_put_failures: Counter,
     /// Windows restored from the window pool, by level.
     pub windows_restored: Family<WindowLabel, Counter>,
+    /// Units fetched from peer nodes and stored here.
+    pub peer_fetches: Counter,
+    /// Peer fetches that failed (a miss).
+    pub peer_fetch_failures: Counter,
+    /// Frame bytes fetched from peers.
+    pub peer_fetched_bytes: Counter,
     redis_up: Gauge,
     redis_puts: Gauge,
     redis_put_failures: Gauge,
@@ -144,6 +150,9 @@ impl Metrics {
             kv_bytes_written: Counter::default(),
             kv_put_failures: Counter::default(),
             windows_restored: Family::default(),
+            peer_fetches: Counter::default(),
+            peer_fetch_failures: Counter::default(),
+            peer_fetched_bytes: Counter::default(),
             redis_up: Gauge::default(),
             redis_puts: Gauge::default(),
             redis_put_failures: Gauge::default(),
@@ -241,6 +250,21 @@ impl Metrics {
             "windows_restored",
             "Window snapshots restored, by tenant and pool level (dram, redis_cluster)",
             m.windows_restored.clone(),
+        );
+        r.register(
+            "peer_fetches",
+            "Units fetched from the node the shared prefix index names and stored here",
+            m.peer_fetches.clone(),
+        );
+        r.register(
+            "peer_fetch_failures",
+            "Peer fetches that failed (served as a miss)",
+            m.peer_fetch_failures.clone(),
+        );
+        r.register(
+            "peer_fetched_bytes",
+            "Frame bytes fetched from peer nodes",
+            m.peer_fetched_bytes.clone(),
         );
         let redis: [(&str, &str, &Gauge); 12] = [
             (

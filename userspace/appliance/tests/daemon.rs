@@ -1068,6 +1068,7 @@ fn kill9_campaign_full() {
 #[test]
 fn two_nodes_share_windows_through_redis_cluster() {
     use kvstack_appliance::frame;
+    const SECRET: &str = "a-shared-secret-of-the-nodes";
     let Some(mut cluster) = redis_cluster::RedisCluster::start() else {
         return;
     };
@@ -1082,8 +1083,16 @@ fn two_nodes_share_windows_through_redis_cluster() {
         let pool_a = format!("{pool}\nredis_node_id = \"node-a\"");
         let pool_b = format!("{pool}\nredis_node_id = \"node-b\"");
         let pa = da.path();
-        let a = s.spawn(move || Daemon::start_with(pa, "", None, &[], 1 << 30, &pool_a));
-        let b = Daemon::start_with(db.path(), "", None, &[], 1 << 30, &pool_b);
+        // Each lists the other as its peer, with the shared secret.
+        let peer = |id: &str, dir: &Path| {
+            format!(
+                "[cluster]\npeer_secret = \"{SECRET}\"\n[[cluster.peer]]\nnode_id = \"{id}\"\naddress = \"unix:{}\"\n",
+                dir.join("kvstackd.sock").display()
+            )
+        };
+        let (ca, cb) = (peer("node-b", db.path()), peer("node-a", pa));
+        let a = s.spawn(move || Daemon::start_with(pa, &ca, None, &[], 1 << 30, &pool_a));
+        let b = Daemon::start_with(db.path(), &cb, None, &[], 1 << 30, &pool_b);
         (a.join().unwrap(), b)
     });
     let (_, ready) = b.req("GET", "/readyz", None, "");
@@ -1157,6 +1166,70 @@ fn two_nodes_share_windows_through_redis_cluster() {
     );
     assert!(m.contains("kvstack_redis_window_up 1"), "{m}");
     assert!(m.contains("kvstack_redis_window_hits 1"), "{m}");
+
+    // Another conversation served by A only: B, asked for its next turn, finds node-a in the
+    // index, fetches the unit from A's KV-cache API as a peer (CRC-checked), stores it, and
+    // serves the turn from its own SSD with the window A's frame carried: A's tokens.
+    let p3: Vec<u32> = (0..280).map(|i| (i * 17 + 1) % 250).collect();
+    let t3 = a.json(
+        "/v1/completions",
+        None,
+        &serde_json::json!({"prompt": p3, "max_tokens": 4, "temperature": 0}).to_string(),
+    );
+    let mut ctx3 = p3.clone();
+    for t in t3["choices"][0]["tokens"].as_array().unwrap() {
+        ctx3.push(t.as_u64().unwrap() as u32);
+    }
+    let n3 = wait_durable(&a, None, &ctx3);
+    let mut turn = ctx3[..n3 as usize].to_vec();
+    turn.extend([4, 4, 4]);
+    let req = serde_json::json!({"prompt": turn, "max_tokens": 3, "temperature": 0}).to_string();
+    let on_b = b.json("/v1/completions", None, &req);
+    let u = &on_b["usage"]["kvstack"];
+    assert_eq!(u["peer_fetch"]["node"], "node-a", "{on_b}");
+    assert_eq!(u["peer_fetch"]["tokens"], n3, "{on_b}");
+    assert_eq!(u["replayed_tokens"], 0, "{on_b}");
+    assert!(
+        u["ssd_tokens"].as_u64().unwrap() + u["paged_cache_tokens"].as_u64().unwrap()
+            >= n3 - n3 % 2,
+        "{on_b}"
+    );
+    // The same turn on A gives the same tokens (A may fetch B's longer unit, the end of
+    // B's prompt, which the index now names: both directions work).
+    let on_a = a.json("/v1/completions", None, &req);
+    assert_eq!(on_a["choices"][0]["tokens"], on_b["choices"][0]["tokens"]);
+    // The next turn on B needs no fetch: B holds it now.
+    let again = b.json("/v1/completions", None, &req);
+    assert_eq!(
+        again["usage"]["kvstack"]["peer_fetch"],
+        serde_json::Value::Null,
+        "{again}"
+    );
+    let (_, m) = b.req("GET", "/metrics", None, "");
+    assert!(m.contains("kvstack_peer_fetches_total 1"), "{m}");
+    // A wrong peer secret gets nothing.
+    let get3 = serde_json::json!({"tokens": turn}).to_string();
+    let (st, _) = a
+        .try_req_bytes(
+            "POST",
+            "/v1/kv/get",
+            None,
+            "application/json",
+            get3.as_bytes(),
+        )
+        .map(|(st, b)| (st, b.len()))
+        .unwrap();
+    assert_eq!(st, 200, "the default tenant needs no key");
+    let mut s = UnixStream::connect(&a.sock).unwrap();
+    write!(
+        s,
+        "POST /v1/kv/get HTTP/1.1\r\nHost: x\r\nConnection: close\r\nX-Kvstack-Peer: wrong-secret-wrong-secret\r\nX-Kvstack-Tenant: default\r\nContent-Length: {}\r\n\r\n{get3}",
+        get3.len()
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    assert!(out.starts_with("HTTP/1.1 401"), "{out}");
 
     // Redis Cluster stopped: B still serves (its window is replayed: a miss), says so in
     // /readyz (still 200) and /metrics, and logs one warning for the incident.
