@@ -1231,6 +1231,29 @@ fn two_nodes_share_windows_through_redis_cluster() {
     s.read_to_string(&mut out).unwrap();
     assert!(out.starts_with("HTTP/1.1 401"), "{out}");
 
+    // Node A killed: a conversation only A held is a miss on B (the fetch fails, counted),
+    // and B serves it by computing.
+    let p4: Vec<u32> = (0..270).map(|i| (i * 19 + 2) % 250).collect();
+    let r4 = serde_json::json!({"prompt": p4, "max_tokens": 2, "temperature": 0}).to_string();
+    a.json("/v1/completions", None, &r4);
+    wait_durable(&a, None, &p4);
+    drop(a);
+    let mut t4 = p4.clone();
+    t4.extend([8, 8]);
+    let r = b.json(
+        "/v1/completions",
+        None,
+        &serde_json::json!({"prompt": t4, "max_tokens": 2, "temperature": 0}).to_string(),
+    );
+    assert_eq!(
+        r["usage"]["kvstack"]["peer_fetch"],
+        serde_json::Value::Null,
+        "{r}"
+    );
+    assert_eq!(r["usage"]["kvstack"]["ssd_tokens"], 0, "{r}");
+    let (_, m) = b.req("GET", "/metrics", None, "");
+    assert!(m.contains("kvstack_peer_fetch_failures_total 1"), "{m}");
+
     // Redis Cluster stopped: B still serves (its window is replayed: a miss), says so in
     // /readyz (still 200) and /metrics, and logs one warning for the incident.
     cluster.stop();
@@ -1255,6 +1278,5 @@ fn two_nodes_share_windows_through_redis_cluster() {
     assert!(m.contains("kvstack_redis_window_incidents 1"), "{m}");
     let log = std::fs::read_to_string(b.log()).unwrap();
     assert_eq!(log.matches("redis cluster unreachable").count(), 1, "{log}");
-    assert_eq!(a.stop(), 0);
     assert_eq!(b.stop(), 0);
 }
