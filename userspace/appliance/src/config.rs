@@ -86,6 +86,35 @@ struct File {
     drain: DrainFile,
     #[serde(default)]
     tenant: Vec<TenantFile>,
+    cluster: Option<ClusterFile>,
+}
+
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ClusterFile {
+    peer_secret: Option<String>,
+    #[serde(default)]
+    peer: Vec<PeerFile>,
+    fetch_timeout_ms: Option<u64>,
+}
+
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PeerFile {
+    node_id: Option<String>,
+    address: Option<String>,
+}
+
+/// `[cluster]`: fetching units' global KV from the node the shared prefix index names
+/// (`docs/cluster.md`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClusterConfig {
+    /// The shared secret nodes authenticate to each other with (`X-Kvstack-Peer`).
+    pub peer_secret: String,
+    /// The other nodes: node id and where their API listens.
+    pub peers: Vec<(String, Listen)>,
+    /// Longest wait for one peer fetch.
+    pub fetch_timeout_ms: u64,
 }
 
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -128,6 +157,14 @@ struct LimitsFile {
 struct PoolFile {
     capacity_bytes: Option<u64>,
     ttl_ms: Option<u64>,
+    backend: Option<String>,
+    local_level: Option<bool>,
+    redis_nodes: Option<Vec<String>>,
+    redis_key_prefix: Option<String>,
+    redis_connect_timeout_ms: Option<u64>,
+    redis_io_timeout_ms: Option<u64>,
+    redis_retry_ms: Option<u64>,
+    redis_node_id: Option<String>,
 }
 
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -255,6 +292,9 @@ pub struct Config {
     pub pool_capacity_bytes: Option<u64>,
     /// Window snapshot time to live.
     pub pool_ttl_ms: u64,
+    /// `window_pool.backend = "redis-cluster"`: the pool's Redis Cluster level
+    /// (`docs/cluster.md`); `None` for `"dram"`.
+    pub pool_remote: Option<kvstack_tiers::RedisOptions>,
     /// SSD store capacity; `None`: the store's default.
     pub ssd_capacity_bytes: Option<u64>,
     /// Units retained at least this long after last use.
@@ -263,6 +303,8 @@ pub struct Config {
     pub drain_timeout_ms: u64,
     /// Tenants; one default tenant without a key when the file has none.
     pub tenants: Vec<Tenant>,
+    /// Peer fetch between nodes; `None` without a `[cluster]` section.
+    pub cluster: Option<ClusterConfig>,
 }
 
 /// Name of the tenant of a config without `[[tenant]]` sections.
@@ -480,6 +522,7 @@ impl Config {
             1,
             86_400_000,
         )?;
+        let pool_remote = pool_remote(&f.window_pool)?;
         let ssd_capacity_bytes = match f.ssd.capacity_bytes {
             None => None,
             Some(b) if b < 256 << 20 => {
@@ -496,6 +539,10 @@ impl Config {
         )?;
         let drain_timeout_ms = range("drain.timeout_ms", f.drain.timeout_ms, 30_000, 0, 3_600_000)?;
         let tenants = tenants(&f.tenant, &engine, &limits)?;
+        let cluster = match &f.cluster {
+            None => None,
+            Some(c) => Some(cluster(c, pool_remote.as_ref())?),
+        };
         Ok(Config {
             data_dir: f
                 .data_dir
@@ -508,10 +555,12 @@ impl Config {
             limits,
             pool_capacity_bytes,
             pool_ttl_ms,
+            pool_remote,
             ssd_capacity_bytes,
             ssd_retention_hours,
             drain_timeout_ms,
             tenants,
+            cluster,
         })
     }
 
@@ -527,6 +576,18 @@ impl Config {
         check_remote(&l, self.allow_remote)?;
         self.listen = l;
         Ok(())
+    }
+
+    /// The tenant called `name` when `secret` is this node's `[cluster] peer_secret` (a peer
+    /// node fetching a unit on that tenant's behalf); compared in constant time.
+    pub fn tenant_for_peer(&self, secret: &str, name: &str) -> Option<&Tenant> {
+        let c = self.cluster.as_ref()?;
+        let want: [u8; 32] = Sha256::digest(c.peer_secret.as_bytes()).into();
+        let got: [u8; 32] = Sha256::digest(secret.as_bytes()).into();
+        if !ct_eq(&want, &got) {
+            return None;
+        }
+        self.tenants.iter().find(|t| t.name == name)
     }
 
     /// The tenant whose key hashes to `digest`; with no keys configured, the default tenant.
@@ -569,6 +630,169 @@ fn check_remote(listen: &[Listen], allow_remote: bool) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// `[cluster]`, checked: it needs the shared prefix index (`window_pool.redis_node_id`).
+fn cluster(c: &ClusterFile, remote: Option<&kvstack_tiers::RedisOptions>) -> Result<ClusterConfig> {
+    let Some(own) = remote.and_then(|r| r.node_id.as_deref()) else {
+        return Err(bad(
+            "cluster",
+            "needs window_pool.backend = \"redis-cluster\" and window_pool.redis_node_id (the \
+             shared prefix index names the peers)"
+                .into(),
+        ));
+    };
+    let secret = c
+        .peer_secret
+        .clone()
+        .ok_or_else(|| bad("cluster.peer_secret", "missing".into()))?;
+    if secret.len() < 16 || secret.len() > 256 || !secret.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(bad(
+            "cluster.peer_secret",
+            "16 to 256 printable ASCII characters".into(),
+        ));
+    }
+    let mut peers: Vec<(String, Listen)> = Vec::new();
+    for (i, p) in c.peer.iter().enumerate() {
+        let key = |k: &str| format!("cluster.peer[{i}].{k}");
+        let id = p
+            .node_id
+            .clone()
+            .ok_or_else(|| bad(&key("node_id"), "missing".into()))?;
+        if id.is_empty() || id.len() > 128 || !id.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(bad(
+                &key("node_id"),
+                format!("`{id}`: 1 to 128 printable ASCII characters"),
+            ));
+        }
+        if id == own || peers.iter().any(|(o, _)| *o == id) {
+            return Err(bad(
+                &key("node_id"),
+                format!("`{id}` is this node or given twice"),
+            ));
+        }
+        let addr = p
+            .address
+            .as_deref()
+            .ok_or_else(|| bad(&key("address"), "missing".into()))?;
+        peers.push((id, Listen::parse(&key("address"), addr)?));
+    }
+    Ok(ClusterConfig {
+        peer_secret: secret,
+        peers,
+        fetch_timeout_ms: range(
+            "cluster.fetch_timeout_ms",
+            c.fetch_timeout_ms,
+            10_000,
+            10,
+            600_000,
+        )?,
+    })
+}
+
+/// The Redis Cluster level of `[window_pool]`, checked (`docs/appliance.md`).
+fn pool_remote(p: &PoolFile) -> Result<Option<kvstack_tiers::RedisOptions>> {
+    let redis_keys = p.redis_nodes.is_some()
+        || p.redis_key_prefix.is_some()
+        || p.redis_connect_timeout_ms.is_some()
+        || p.redis_io_timeout_ms.is_some()
+        || p.redis_retry_ms.is_some()
+        || p.redis_node_id.is_some()
+        || p.local_level.is_some();
+    match p.backend.as_deref().unwrap_or("dram") {
+        "dram" if redis_keys => {
+            return Err(bad(
+                "window_pool.backend",
+                "redis_* and local_level keys need backend = \"redis-cluster\"".into(),
+            ));
+        }
+        "dram" => return Ok(None),
+        "redis-cluster" => {}
+        other => {
+            return Err(bad(
+                "window_pool.backend",
+                format!("`{other}`: expected \"dram\" or \"redis-cluster\""),
+            ));
+        }
+    }
+    let nodes = p.redis_nodes.clone().unwrap_or_default();
+    if nodes.is_empty() || nodes.len() > 64 {
+        return Err(bad(
+            "window_pool.redis_nodes",
+            "1 to 64 seed node URLs needed with backend = \"redis-cluster\"".into(),
+        ));
+    }
+    for (i, n) in nodes.iter().enumerate() {
+        let ok = n
+            .strip_prefix("redis://")
+            .is_some_and(|rest| !rest.is_empty() && rest.bytes().all(|b| b.is_ascii_graphic()));
+        if !ok || n.len() > 256 {
+            return Err(bad(
+                &format!("window_pool.redis_nodes[{i}]"),
+                format!("`{n}`: expected redis://HOST:PORT"),
+            ));
+        }
+    }
+    let prefix = p
+        .redis_key_prefix
+        .clone()
+        .unwrap_or_else(|| kvstack_tiers::redis_pool::DEFAULT_KEY_PREFIX.into());
+    if prefix.is_empty()
+        || prefix.len() > 64
+        || !prefix.bytes().all(|b| b.is_ascii_graphic())
+        || prefix.contains(['{', '}'])
+    {
+        return Err(bad(
+            "window_pool.redis_key_prefix",
+            format!("`{prefix}`: 1 to 64 printable ASCII characters, no braces"),
+        ));
+    }
+    let mut o = kvstack_tiers::RedisOptions::new(nodes);
+    o.key_prefix = prefix;
+    o.connect_timeout_ms = range(
+        "window_pool.redis_connect_timeout_ms",
+        p.redis_connect_timeout_ms,
+        o.connect_timeout_ms,
+        1,
+        60_000,
+    )?;
+    o.io_timeout_ms = range(
+        "window_pool.redis_io_timeout_ms",
+        p.redis_io_timeout_ms,
+        o.io_timeout_ms,
+        1,
+        60_000,
+    )?;
+    o.retry_ms = range(
+        "window_pool.redis_retry_ms",
+        p.redis_retry_ms,
+        o.retry_ms,
+        10,
+        600_000,
+    )?;
+    o.local_level = p.local_level.unwrap_or(true);
+    if let Some(n) = &p.redis_node_id {
+        if n.is_empty() || n.len() > 128 || !n.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(bad(
+                "window_pool.redis_node_id",
+                format!("`{n}`: 1 to 128 printable ASCII characters"),
+            ));
+        }
+        o.node_id = Some(n.clone());
+    }
+    // The client parses the URLs the same way at start; refuse here, with the key.
+    kvstack_tiers::RedisPool::new(o.clone(), 1).map_err(|e| {
+        bad(
+            "window_pool.redis_nodes",
+            format!(
+                "{e}{}",
+                std::error::Error::source(&e)
+                    .map(|s| format!(": {s}"))
+                    .unwrap_or_default()
+            ),
+        )
+    })?;
+    Ok(Some(o))
 }
 
 fn tenants(list: &[TenantFile], e: &EngineConfig, l: &Limits) -> Result<Vec<Tenant>> {
@@ -685,6 +909,18 @@ mod tests {
         assert_eq!(c.listen, vec![Listen::Unix(PathBuf::from(DEFAULT_SOCKET))]);
         assert_eq!(c.tenants.len(), 1);
         assert!(c.tenant_for_key(None).is_some());
+        assert_eq!(c.pool_remote, None);
+        let c = Config::from_toml_str(
+            "[window_pool]\nbackend = \"redis-cluster\"\nredis_nodes = [\"redis://127.0.0.1:7000\"]",
+            "t",
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let r = c.pool_remote.unwrap_or_else(|| panic!("no redis options"));
+        assert_eq!(
+            (r.key_prefix.as_str(), r.connect_timeout_ms, r.io_timeout_ms),
+            ("kvstack:", 500, 1000)
+        );
+        assert_eq!((r.retry_ms, r.local_level), (1000, true));
     }
 
     #[test]
@@ -705,6 +941,44 @@ mod tests {
             (
                 "[window_pool]\ncapacity_bytes = 5",
                 "window_pool.capacity_bytes",
+            ),
+            (
+                "[window_pool]\nbackend = \"memcached\"",
+                "window_pool.backend",
+            ),
+            ("[window_pool]\nredis_retry_ms = 100", "window_pool.backend"),
+            (
+                "[window_pool]\nbackend = \"redis-cluster\"",
+                "window_pool.redis_nodes",
+            ),
+            (
+                "[window_pool]\nbackend = \"redis-cluster\"\nredis_nodes = [\"http://x:1\"]",
+                "window_pool.redis_nodes[0]",
+            ),
+            (
+                "[window_pool]\nbackend = \"redis-cluster\"\nredis_nodes = [\"redis://a:1\"]\nredis_key_prefix = \"{x}\"",
+                "window_pool.redis_key_prefix",
+            ),
+            (
+                "[window_pool]\nbackend = \"redis-cluster\"\nredis_nodes = [\"redis://a:1\"]\nredis_io_timeout_ms = 0",
+                "window_pool.redis_io_timeout_ms",
+            ),
+            (
+                "[window_pool]\nbackend = \"redis-cluster\"\nredis_nodes = [\"redis://a:1\"]\nredis_node_id = \"a b\"",
+                "window_pool.redis_node_id",
+            ),
+            ("[cluster]\npeer_secret = \"0123456789abcdef\"", "cluster"),
+            (
+                "[window_pool]\nbackend = \"redis-cluster\"\nredis_nodes = [\"redis://a:1\"]\nredis_node_id = \"a\"\n[cluster]\npeer_secret = \"short\"",
+                "cluster.peer_secret",
+            ),
+            (
+                "[window_pool]\nbackend = \"redis-cluster\"\nredis_nodes = [\"redis://a:1\"]\nredis_node_id = \"a\"\n[cluster]\npeer_secret = \"0123456789abcdef\"\n[[cluster.peer]]\nnode_id = \"a\"\naddress = \"unix:/x\"",
+                "cluster.peer[0].node_id",
+            ),
+            (
+                "[window_pool]\nbackend = \"redis-cluster\"\nredis_nodes = [\"redis://a:1\"]\nredis_node_id = \"a\"\n[cluster]\npeer_secret = \"0123456789abcdef\"\n[[cluster.peer]]\nnode_id = \"b\"\naddress = \"udp:1\"",
+                "cluster.peer[0].address",
             ),
         ];
         for (text, want) in cases {

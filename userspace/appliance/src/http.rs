@@ -55,6 +55,11 @@ pub struct AppState {
 
 type St = State<Arc<AppState>>;
 
+/// Header of node-to-node requests: the `[cluster] peer_secret`.
+pub const PEER_HEADER: &str = "x-kvstack-peer";
+/// Header of node-to-node requests: the tenant the peer acts for.
+pub const PEER_TENANT_HEADER: &str = "x-kvstack-tenant";
+
 /// The router over `state`.
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
@@ -134,7 +139,22 @@ async fn readyz(State(s): St) -> Response {
             "recovering the SSD store".into(),
         );
     }
-    "ready\n".into_response()
+    // Redis down is not unready: the node serves from its own tiers (misses only).
+    let tiers = s.shared.tiers.read().ok().and_then(|t| t.clone());
+    match tiers
+        .as_deref()
+        .and_then(|t| t.remote())
+        .map(|r| r.health())
+    {
+        None => "ready\n".into_response(),
+        Some(h) if h.up => "ready\nwindow pool redis-cluster: up\n".into_response(),
+        Some(h) => format!(
+            "ready\nwindow pool redis-cluster: down for {:.1} s ({}); serving from local tiers\n",
+            h.down_for_ms.unwrap_or(0) as f64 / 1e3,
+            h.last_error.unwrap_or_default()
+        )
+        .into_response(),
+    }
 }
 
 async fn metrics(State(s): St) -> Response {
@@ -184,6 +204,21 @@ fn tenant(s: &AppState, headers: &HeaderMap) -> Result<(Tenant, Arc<Config>), Re
             "config lock".into(),
         )
     })?;
+    // A peer node (docs/cluster.md): the shared secret and the tenant it fetches for.
+    if let Some(secret) = headers.get(PEER_HEADER).and_then(|v| v.to_str().ok()) {
+        let name = headers
+            .get(PEER_TENANT_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default();
+        return match cfg.tenant_for_peer(secret, name) {
+            Some(t) => Ok((t.clone(), Arc::clone(&cfg))),
+            None => Err(error(
+                StatusCode::UNAUTHORIZED,
+                None,
+                "invalid peer secret or unknown tenant".into(),
+            )),
+        };
+    }
     let key = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
@@ -465,6 +500,10 @@ async fn completions(State(s): St, headers: HeaderMap, body: Body) -> Response {
             "the engine's queue is full".into(),
         );
     }
+    // More of the prompt on another node (the shared prefix index): fetch it first.
+    let peer = crate::peer::maybe_fetch(&s, &cfg, &t, &tokens)
+        .await
+        .map_or(Value::Null, |f| f.to_json());
     let (tx, mut rx) = unbounded_channel();
     let prompt_tokens = tokens.len() as u64;
     let job = Job {
@@ -514,7 +553,7 @@ async fn completions(State(s): St, headers: HeaderMap, body: Body) -> Response {
         let st = Arc::clone(&s);
         let events = async_stream(
             rx,
-            move |e| sse_event(&st, &id, created, &model, prompt_tokens, e),
+            move |e| sse_event(&st, &id, created, &model, prompt_tokens, &peer, e),
             slot,
         );
         return Sse::new(events).into_response();
@@ -540,7 +579,7 @@ async fn completions(State(s): St, headers: HeaderMap, body: Body) -> Response {
                     "model": model,
                     "choices": [{"index": 0, "text": text.unwrap_or_default(), "tokens": d.tokens,
                                  "finish_reason": d.finish_reason, "logprobs": null}],
-                    "usage": usage(prompt_tokens, &d),
+                    "usage": usage(prompt_tokens, &d, &peer),
                 }))
                 .into_response();
             }
@@ -554,7 +593,7 @@ async fn completions(State(s): St, headers: HeaderMap, body: Body) -> Response {
 }
 
 /// `usage` of a finished request: OpenAI's fields plus kvstack's split of the context.
-fn usage(prompt_tokens: u64, d: &JobDone) -> Value {
+fn usage(prompt_tokens: u64, d: &JobDone, peer: &Value) -> Value {
     let r = &d.reuse;
     let cached = r.live_tokens + r.mapped_tokens + r.ssd_tokens;
     json!({
@@ -570,7 +609,13 @@ fn usage(prompt_tokens: u64, d: &JobDone) -> Value {
             "ssd_tokens": r.ssd_tokens,
             "ssd_bytes": r.ssd_bytes,
             "dram_window": r.window_from_pool,
+            "window_source": match (r.window_from_pool, r.window_from_remote) {
+                (false, _) => Value::Null,
+                (true, false) => json!("dram"),
+                (true, true) => json!("redis-cluster"),
+            },
             "replayed_tokens": r.replayed_tokens,
+            "peer_fetch": peer,
             "computed_tokens": r.computed_tokens,
             "ttft_ms": d.ttft.as_secs_f64() * 1e3,
             "ttft_queued_ms": d.ttft_queued.as_secs_f64() * 1e3,
@@ -585,6 +630,7 @@ fn sse_event(
     created: u64,
     model: &str,
     prompt_tokens: u64,
+    peer: &Value,
     e: JobEvent,
 ) -> Vec<SseEvent> {
     let chunk = |choice: Value, usage: Option<Value>| {
@@ -609,7 +655,7 @@ fn sse_event(
         JobEvent::Done(d) => vec![
             chunk(
                 json!({"index": 0, "text": "", "finish_reason": d.finish_reason}),
-                Some(usage(prompt_tokens, &d)),
+                Some(usage(prompt_tokens, &d, peer)),
             ),
             SseEvent::default().data("[DONE]"),
         ],
@@ -841,10 +887,19 @@ async fn kv_lookup(State(s): St, headers: HeaderMap, body: Body) -> Response {
         if hit.tokens > 0 {
             st.metrics.kv_hits.get_or_create(&label).inc();
         }
+        // The shared prefix index (docs/cluster.md): which node holds the longest prefix, for
+        // routers and for fetching from a peer; null without an index or when Redis is down.
+        let page = tiers.geometry().page_tokens as u64;
+        let cluster = tiers.cluster_lookup(&tokens, &tenant).map(|ix| {
+            let covered = (ix.blocks as u64 * page).min(tokens.len() as u64);
+            json!({"node": ix.entry.node, "tokens": covered.min(ix.entry.unit_tokens),
+                   "unit_tokens": ix.entry.unit_tokens})
+        });
         json!({
             "tokens": hit.tokens,
             "tiers": {"ssd": {"tokens": hit.tokens, "blocks": hit.store.keys.len()},
                       "dram_window": hit.window},
+            "cluster": cluster,
             "page_tokens": tiers.geometry().page_tokens,
             "tenant": {"dram_pool_bytes": tiers.dram_bytes(&tenant),
                        "dram_pool_quota_bytes": tiers.dram_quota(&tenant),

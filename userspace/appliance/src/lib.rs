@@ -7,6 +7,8 @@
 //!   health and readiness;
 //! - [`metrics`]: the Prometheus registry;
 //! - [`frame`]: the binary framing of the KV-cache API's units (`docs/kv-protocol.md`);
+//! - [`peer`]: fetching a prompt's unit from the node the shared prefix index names
+//!   (`docs/cluster.md`);
 //! - `conn`: accept loops bounded by `limits.max_connections` and `limits.max_header_bytes`;
 //! - [`serve`]: sockets (bound, or passed by systemd socket activation), `sd_notify`
 //!   (READY after recovery, STATUS, EXTEND_TIMEOUT_USEC during recovery, WATCHDOG from the
@@ -18,6 +20,7 @@ mod error;
 pub mod frame;
 pub mod http;
 pub mod metrics;
+pub mod peer;
 pub mod worker;
 
 use std::path::PathBuf;
@@ -160,6 +163,7 @@ pub fn service_options(cfg: &Config) -> ServiceOptions {
         ttl_ms: cfg.pool_ttl_ms,
         ..PoolOptions::new(1)
     };
+    tiers.remote = cfg.pool_remote.clone();
     opts.tiers = Some(tiers);
     opts.threads = if cfg.engine.threads == 0 {
         std::thread::available_parallelism().map_or(1, |n| n.get())

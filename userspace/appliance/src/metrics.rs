@@ -29,6 +29,15 @@ pub struct TierLabel {
     pub tier: String,
 }
 
+/// Labels: tenant and where a restored window came from.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WindowLabel {
+    /// The tenant.
+    pub tenant: String,
+    /// `dram` (this node's pool) or `redis_cluster` (the shared level).
+    pub source: String,
+}
+
 /// Labels: tenant and outcome.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct OutcomeLabel {
@@ -71,6 +80,26 @@ pub struct Metrics {
     pub kv_bytes_written: Counter,
     /// Puts answered 202 (not durable) whose write failed afterwards.
     pub kv_put_failures: Counter,
+    /// Windows restored from the window pool, by level.
+    pub windows_restored: Family<WindowLabel, Counter>,
+    /// Units fetched from peer nodes and stored here.
+    pub peer_fetches: Counter,
+    /// Peer fetches that failed (a miss).
+    pub peer_fetch_failures: Counter,
+    /// Frame bytes fetched from peers.
+    pub peer_fetched_bytes: Counter,
+    redis_up: Gauge,
+    redis_puts: Gauge,
+    redis_put_failures: Gauge,
+    redis_gets: Gauge,
+    redis_hits: Gauge,
+    redis_misses: Gauge,
+    redis_damaged: Gauge,
+    redis_skipped: Gauge,
+    redis_errors: Gauge,
+    redis_incidents: Gauge,
+    redis_bytes_put: Gauge,
+    redis_bytes_got: Gauge,
     pool_bytes: Gauge,
     pool_entries: Gauge,
     pool_expired: Gauge,
@@ -120,6 +149,22 @@ impl Metrics {
             kv_bytes_read: Counter::default(),
             kv_bytes_written: Counter::default(),
             kv_put_failures: Counter::default(),
+            windows_restored: Family::default(),
+            peer_fetches: Counter::default(),
+            peer_fetch_failures: Counter::default(),
+            peer_fetched_bytes: Counter::default(),
+            redis_up: Gauge::default(),
+            redis_puts: Gauge::default(),
+            redis_put_failures: Gauge::default(),
+            redis_gets: Gauge::default(),
+            redis_hits: Gauge::default(),
+            redis_misses: Gauge::default(),
+            redis_damaged: Gauge::default(),
+            redis_skipped: Gauge::default(),
+            redis_errors: Gauge::default(),
+            redis_incidents: Gauge::default(),
+            redis_bytes_put: Gauge::default(),
+            redis_bytes_got: Gauge::default(),
             pool_bytes: Gauge::default(),
             pool_entries: Gauge::default(),
             pool_expired: Gauge::default(),
@@ -201,6 +246,91 @@ impl Metrics {
             "KV-cache API puts answered 202 (not durable) whose write failed afterwards",
             m.kv_put_failures.clone(),
         );
+        r.register(
+            "windows_restored",
+            "Window snapshots restored, by tenant and pool level (dram, redis_cluster)",
+            m.windows_restored.clone(),
+        );
+        r.register(
+            "peer_fetches",
+            "Units fetched from the node the shared prefix index names and stored here",
+            m.peer_fetches.clone(),
+        );
+        r.register(
+            "peer_fetch_failures",
+            "Peer fetches that failed (served as a miss)",
+            m.peer_fetch_failures.clone(),
+        );
+        r.register(
+            "peer_fetched_bytes",
+            "Frame bytes fetched from peer nodes",
+            m.peer_fetched_bytes.clone(),
+        );
+        let redis: [(&str, &str, &Gauge); 12] = [
+            (
+                "redis_window_up",
+                "1 while the window pool's Redis Cluster level answers (0 when down or not configured)",
+                &m.redis_up,
+            ),
+            (
+                "redis_window_puts",
+                "Window snapshots written to Redis Cluster",
+                &m.redis_puts,
+            ),
+            (
+                "redis_window_put_failures",
+                "Window snapshot writes to Redis Cluster that failed",
+                &m.redis_put_failures,
+            ),
+            (
+                "redis_window_gets",
+                "Window snapshot gets and existence checks sent to Redis Cluster",
+                &m.redis_gets,
+            ),
+            (
+                "redis_window_hits",
+                "Redis Cluster gets that returned a valid snapshot",
+                &m.redis_hits,
+            ),
+            (
+                "redis_window_misses",
+                "Redis Cluster gets that returned no valid snapshot (absent, damaged or down)",
+                &m.redis_misses,
+            ),
+            (
+                "redis_window_damaged",
+                "Redis Cluster values refused by their length, identity or CRC-32C check",
+                &m.redis_damaged,
+            ),
+            (
+                "redis_window_skipped",
+                "Calls answered as misses without I/O while Redis Cluster was down",
+                &m.redis_skipped,
+            ),
+            (
+                "redis_window_errors",
+                "Redis Cluster calls that failed",
+                &m.redis_errors,
+            ),
+            (
+                "redis_window_incidents",
+                "Redis Cluster outages seen (runs of failures, each logged once)",
+                &m.redis_incidents,
+            ),
+            (
+                "redis_window_put_bytes",
+                "Snapshot bytes written to Redis Cluster",
+                &m.redis_bytes_put,
+            ),
+            (
+                "redis_window_got_bytes",
+                "Snapshot bytes read from Redis Cluster",
+                &m.redis_bytes_got,
+            ),
+        ];
+        for (name, help, g) in redis {
+            r.register(name, help, g.clone());
+        }
         r.register(
             "dram_pool_bytes",
             "DRAM window pool committed bytes",
@@ -314,6 +444,19 @@ impl Metrics {
         add("ssd", reuse.ssd_tokens);
         add("replayed", reuse.replayed_tokens);
         add("computed", reuse.computed_tokens);
+        if reuse.window_from_pool {
+            let source = if reuse.window_from_remote {
+                "redis_cluster"
+            } else {
+                "dram"
+            };
+            self.windows_restored
+                .get_or_create(&WindowLabel {
+                    tenant: tenant.into(),
+                    source: source.into(),
+                })
+                .inc();
+        }
         self.generated
             .get_or_create(&TenantLabel {
                 tenant: tenant.into(),
@@ -374,6 +517,25 @@ impl Metrics {
             self.ssd_hits.set(to_i64(s.hits));
             self.ssd_bytes_written.set(to_i64(s.bytes_written));
             self.tenant_gauges(t, tenants);
+            if let Some(r) = t.remote() {
+                let s = r.stats();
+                self.redis_up.set(i64::from(r.health().up));
+                for (g, v) in [
+                    (&self.redis_puts, s.puts),
+                    (&self.redis_put_failures, s.put_failures),
+                    (&self.redis_gets, s.gets),
+                    (&self.redis_hits, s.hits),
+                    (&self.redis_misses, s.misses),
+                    (&self.redis_damaged, s.damaged),
+                    (&self.redis_skipped, s.skipped),
+                    (&self.redis_errors, s.errors),
+                    (&self.redis_incidents, s.incidents),
+                    (&self.redis_bytes_put, s.bytes_put),
+                    (&self.redis_bytes_got, s.bytes_got),
+                ] {
+                    g.set(to_i64(v));
+                }
+            }
         }
         let mut out = String::new();
         if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {

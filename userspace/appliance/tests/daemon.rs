@@ -7,6 +7,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+#[path = "../../tiers/tests/support/redis_cluster.rs"]
+mod redis_cluster;
+
 struct Daemon {
     child: Child,
     sock: PathBuf,
@@ -14,7 +17,7 @@ struct Daemon {
 
 impl Daemon {
     fn start(dir: &Path, config: &str) -> Daemon {
-        Daemon::start_with(dir, config, None, &[], 1 << 30)
+        Daemon::start_with(dir, config, None, &[], 1 << 30, "")
     }
 
     /// `activate`: the socket systemd-socket-activate listens on (the config's own address
@@ -25,13 +28,14 @@ impl Daemon {
         activate: Option<&Path>,
         env: &[(&str, String)],
         ssd_bytes: u64,
+        pool: &str,
     ) -> Daemon {
         let sock = dir.join("kvstackd.sock");
         let cfg = dir.join("kvstackd.toml");
         std::fs::write(
             &cfg,
             format!(
-                "data_dir = \"{}\"\nlisten = [\"unix:{}\"]\n[window_pool]\ncapacity_bytes = 67108864\n[ssd]\ncapacity_bytes = {ssd_bytes}\n[engine]\nthreads = 1\nmax_sequences = 8\ncontext_limit = 4096\n{config}",
+                "data_dir = \"{}\"\nlisten = [\"unix:{}\"]\n[window_pool]\ncapacity_bytes = 67108864\n{pool}\n[ssd]\ncapacity_bytes = {ssd_bytes}\n[engine]\nthreads = 1\nmax_sequences = 8\ncontext_limit = 4096\n{config}",
                 dir.join("data").display(),
                 sock.display()
             ),
@@ -554,7 +558,7 @@ fn socket_activation_and_sd_notify() {
         ("NOTIFY_SOCKET", notify.display().to_string()),
         ("WATCHDOG_USEC", "400000".to_string()),
     ];
-    let d = Daemon::start_with(dir.path(), "", Some(&passed), &env, 1 << 30);
+    let d = Daemon::start_with(dir.path(), "", Some(&passed), &env, 1 << 30, "");
     // It serves on the passed socket and never binds its configured one.
     let (st, _) = d.req(
         "POST",
@@ -881,7 +885,7 @@ fn kill9_campaign(cycles: u32) {
     // refuses puts with 507, which is not what this campaign tests. Segments are written as
     // they fill, so the disk holds what was put, not the capacity.
     let ssd = u64::from(cycles) * (256 << 20);
-    let start = |dir: &Path| Daemon::start_with(dir, "", None, &[], ssd);
+    let start = |dir: &Path| Daemon::start_with(dir, "", None, &[], ssd, "");
     let d = start(dir.path());
     // A template unit: real KV of the built-in model, whose bytes every put reuses under
     // other tokens (the server checks sizes and CRCs, not what the KV means); 100 tokens
@@ -1054,4 +1058,225 @@ fn kill9_campaign_reduced() {
 #[ignore = "the full campaign (10 cycles); the suite runs 4"]
 fn kill9_campaign_full() {
     kill9_campaign(10);
+}
+
+/// Two kvstackd nodes sharing one Redis Cluster (docs/cluster.md): a conversation whose first
+/// turn node A served continues on node B, which holds the unit's global KV (copied through
+/// the KV-cache API without its window) and takes the window from Redis, not replaying it;
+/// the same turn on A (window from its DRAM) generates the same tokens. Redis stopped: B
+/// still serves (misses), /readyz and /metrics say so.
+#[test]
+fn two_nodes_share_windows_through_redis_cluster() {
+    use kvstack_appliance::frame;
+    const SECRET: &str = "a-shared-secret-of-the-nodes";
+    let Some(mut cluster) = redis_cluster::RedisCluster::start() else {
+        return;
+    };
+    let nodes: Vec<String> = cluster.urls().iter().map(|u| format!("\"{u}\"")).collect();
+    let pool = format!(
+        "backend = \"redis-cluster\"\nredis_nodes = [{}]\nredis_key_prefix = \"daemon-test:\"\nredis_retry_ms = 200",
+        nodes.join(", ")
+    );
+    let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    // Both start at once (each builds the model: seconds on 2 cores).
+    let (a, b) = std::thread::scope(|s| {
+        let pool_a = format!("{pool}\nredis_node_id = \"node-a\"");
+        let pool_b = format!("{pool}\nredis_node_id = \"node-b\"");
+        let pa = da.path();
+        // Each lists the other as its peer, with the shared secret.
+        let peer = |id: &str, dir: &Path| {
+            format!(
+                "[cluster]\npeer_secret = \"{SECRET}\"\n[[cluster.peer]]\nnode_id = \"{id}\"\naddress = \"unix:{}\"\n",
+                dir.join("kvstackd.sock").display()
+            )
+        };
+        let (ca, cb) = (peer("node-b", db.path()), peer("node-a", pa));
+        let a = s.spawn(move || Daemon::start_with(pa, &ca, None, &[], 1 << 30, &pool_a));
+        let b = Daemon::start_with(db.path(), &cb, None, &[], 1 << 30, &pool_b);
+        (a.join().unwrap(), b)
+    });
+    let (_, ready) = b.req("GET", "/readyz", None, "");
+    assert!(ready.contains("redis-cluster: up"), "{ready}");
+
+    // Turn 1 on A.
+    let prompt: Vec<u32> = (0..300).map(|i| (i * 11 + 7) % 250).collect();
+    let t1 = a.json(
+        "/v1/completions",
+        None,
+        &serde_json::json!({"prompt": prompt, "max_tokens": 4, "temperature": 0}).to_string(),
+    );
+    let mut context = prompt.clone();
+    for t in t1["choices"][0]["tokens"].as_array().unwrap() {
+        context.push(t.as_u64().unwrap() as u32);
+    }
+    let n = wait_durable(&a, None, &context);
+    let get = serde_json::json!({"tokens": context}).to_string();
+    let (st, body) = a.req_bytes("/v1/kv/get", None, get.as_bytes());
+    assert_eq!(st, 200, "{}", String::from_utf8_lossy(&body));
+    let f = frame::decode(&body).unwrap();
+    assert_eq!(f.header.tokens, n);
+    assert!(
+        f.window.is_some(),
+        "A holds no window at its unit's end ({n} tokens)"
+    );
+
+    // The shared prefix index tells B that node-a holds it: the whole unit for its own
+    // tokens, its whole blocks (256 tokens) for the longer context (whose partial last block
+    // differs from the unit's).
+    let unit = serde_json::json!({"tokens": context[..n as usize]}).to_string();
+    let l = b.json("/v1/kv/lookup", None, &unit);
+    assert_eq!(l["tokens"], 0, "{l}");
+    assert_eq!(l["cluster"]["node"], "node-a", "{l}");
+    assert_eq!(l["cluster"]["tokens"], n, "{l}");
+    let l = b.json("/v1/kv/lookup", None, &get);
+    assert_eq!(l["cluster"]["tokens"], 256, "{l}");
+
+    // B gets the global KV only (the window stays with A and in Redis).
+    let put = frame::encode(
+        n,
+        f.header.page_tokens,
+        f.header.model.clone(),
+        &context[..n as usize],
+        &f.blocks,
+        None,
+    );
+    let (st, body) = b.req_bytes("/v1/kv/put?durable=true", None, &put);
+    assert_eq!(st, 200, "{}", String::from_utf8_lossy(&body));
+    let l = b.json("/v1/kv/lookup", None, &unit);
+    assert_eq!(l["tokens"].as_u64(), Some(n), "{l}");
+    assert_eq!(l["cluster"]["node"], "node-b", "{l}");
+
+    // Turn 2 lands on B: its window comes from Redis Cluster, nothing is replayed.
+    let mut turn2 = context[..n as usize].to_vec();
+    turn2.extend([5, 6, 7]);
+    let req2 = serde_json::json!({"prompt": turn2, "max_tokens": 3, "temperature": 0}).to_string();
+    let on_b = b.json("/v1/completions", None, &req2);
+    let u = &on_b["usage"]["kvstack"];
+    assert_eq!(u["window_source"], "redis-cluster", "{on_b}");
+    assert_eq!(u["replayed_tokens"], 0, "{on_b}");
+    assert!(u["ssd_tokens"].as_u64().unwrap() > 0, "{on_b}");
+    // The same turn on A, whose window is in its own DRAM: the same tokens.
+    let on_a = a.json("/v1/completions", None, &req2);
+    assert_eq!(on_a["usage"]["kvstack"]["window_source"], "dram", "{on_a}");
+    assert_eq!(on_a["choices"][0]["tokens"], on_b["choices"][0]["tokens"]);
+    let (_, m) = b.req("GET", "/metrics", None, "");
+    assert!(
+        m.contains("kvstack_windows_restored_total{tenant=\"default\",source=\"redis_cluster\"} 1"),
+        "{m}"
+    );
+    assert!(m.contains("kvstack_redis_window_up 1"), "{m}");
+    assert!(m.contains("kvstack_redis_window_hits 1"), "{m}");
+
+    // Another conversation served by A only: B, asked for its next turn, finds node-a in the
+    // index, fetches the unit from A's KV-cache API as a peer (CRC-checked), stores it, and
+    // serves the turn from its own SSD with the window A's frame carried: A's tokens.
+    let p3: Vec<u32> = (0..280).map(|i| (i * 17 + 1) % 250).collect();
+    let t3 = a.json(
+        "/v1/completions",
+        None,
+        &serde_json::json!({"prompt": p3, "max_tokens": 4, "temperature": 0}).to_string(),
+    );
+    let mut ctx3 = p3.clone();
+    for t in t3["choices"][0]["tokens"].as_array().unwrap() {
+        ctx3.push(t.as_u64().unwrap() as u32);
+    }
+    let n3 = wait_durable(&a, None, &ctx3);
+    let mut turn = ctx3[..n3 as usize].to_vec();
+    turn.extend([4, 4, 4]);
+    let req = serde_json::json!({"prompt": turn, "max_tokens": 3, "temperature": 0}).to_string();
+    let on_b = b.json("/v1/completions", None, &req);
+    let u = &on_b["usage"]["kvstack"];
+    assert_eq!(u["peer_fetch"]["node"], "node-a", "{on_b}");
+    assert_eq!(u["peer_fetch"]["tokens"], n3, "{on_b}");
+    assert_eq!(u["replayed_tokens"], 0, "{on_b}");
+    assert!(
+        u["ssd_tokens"].as_u64().unwrap() + u["paged_cache_tokens"].as_u64().unwrap()
+            >= n3 - n3 % 2,
+        "{on_b}"
+    );
+    // The same turn on A gives the same tokens (A may fetch B's longer unit, the end of
+    // B's prompt, which the index now names: both directions work).
+    let on_a = a.json("/v1/completions", None, &req);
+    assert_eq!(on_a["choices"][0]["tokens"], on_b["choices"][0]["tokens"]);
+    // The next turn on B needs no fetch: B holds it now.
+    let again = b.json("/v1/completions", None, &req);
+    assert_eq!(
+        again["usage"]["kvstack"]["peer_fetch"],
+        serde_json::Value::Null,
+        "{again}"
+    );
+    let (_, m) = b.req("GET", "/metrics", None, "");
+    assert!(m.contains("kvstack_peer_fetches_total 1"), "{m}");
+    // A wrong peer secret gets nothing.
+    let get3 = serde_json::json!({"tokens": turn}).to_string();
+    let (st, _) = a
+        .try_req_bytes(
+            "POST",
+            "/v1/kv/get",
+            None,
+            "application/json",
+            get3.as_bytes(),
+        )
+        .map(|(st, b)| (st, b.len()))
+        .unwrap();
+    assert_eq!(st, 200, "the default tenant needs no key");
+    let mut s = UnixStream::connect(&a.sock).unwrap();
+    write!(
+        s,
+        "POST /v1/kv/get HTTP/1.1\r\nHost: x\r\nConnection: close\r\nX-Kvstack-Peer: wrong-secret-wrong-secret\r\nX-Kvstack-Tenant: default\r\nContent-Length: {}\r\n\r\n{get3}",
+        get3.len()
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    assert!(out.starts_with("HTTP/1.1 401"), "{out}");
+
+    // Node A killed: a conversation only A held is a miss on B (the fetch fails, counted),
+    // and B serves it by computing.
+    let p4: Vec<u32> = (0..270).map(|i| (i * 19 + 2) % 250).collect();
+    let r4 = serde_json::json!({"prompt": p4, "max_tokens": 2, "temperature": 0}).to_string();
+    a.json("/v1/completions", None, &r4);
+    wait_durable(&a, None, &p4);
+    drop(a);
+    let mut t4 = p4.clone();
+    t4.extend([8, 8]);
+    let r = b.json(
+        "/v1/completions",
+        None,
+        &serde_json::json!({"prompt": t4, "max_tokens": 2, "temperature": 0}).to_string(),
+    );
+    assert_eq!(
+        r["usage"]["kvstack"]["peer_fetch"],
+        serde_json::Value::Null,
+        "{r}"
+    );
+    assert_eq!(r["usage"]["kvstack"]["ssd_tokens"], 0, "{r}");
+    let (_, m) = b.req("GET", "/metrics", None, "");
+    assert!(m.contains("kvstack_peer_fetch_failures_total 1"), "{m}");
+
+    // Redis Cluster stopped: B still serves (its window is replayed: a miss), says so in
+    // /readyz (still 200) and /metrics, and logs one warning for the incident.
+    cluster.stop();
+    let mut turn3 = turn2.clone();
+    turn3.extend([9, 9, 9, 9]);
+    for _ in 0..3 {
+        let r = b.json(
+            "/v1/completions",
+            None,
+            &serde_json::json!({"prompt": turn3, "max_tokens": 2, "temperature": 0}).to_string(),
+        );
+        assert_ne!(
+            r["usage"]["kvstack"]["window_source"], "redis-cluster",
+            "{r}"
+        );
+    }
+    let (st, ready) = b.req("GET", "/readyz", None, "");
+    assert_eq!(st, 200, "{ready}");
+    assert!(ready.contains("redis-cluster: down"), "{ready}");
+    let (_, m) = b.req("GET", "/metrics", None, "");
+    assert!(m.contains("kvstack_redis_window_up 0"), "{m}");
+    assert!(m.contains("kvstack_redis_window_incidents 1"), "{m}");
+    let log = std::fs::read_to_string(b.log()).unwrap();
+    assert_eq!(log.matches("redis cluster unreachable").count(), 1, "{log}");
+    assert_eq!(b.stop(), 0);
 }

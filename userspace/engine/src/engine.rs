@@ -606,6 +606,7 @@ impl Engine {
             reuse.ssd_tokens = restored.read_tokens;
             reuse.ssd_bytes = restored.read_bytes;
             reuse.window_from_pool = restored.window;
+            reuse.window_from_remote = restored.window_remote;
             reuse.kind = if restored.tokens == 0 {
                 ReuseKind::None
             } else if restored.window {

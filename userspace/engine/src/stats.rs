@@ -52,8 +52,10 @@ pub struct Reuse {
     pub ssd_tokens: u64,
     /// Bytes read from SSD.
     pub ssd_bytes: u64,
-    /// Whether the window came from the DRAM pool.
+    /// Whether the window came from the window pool (either level).
     pub window_from_pool: bool,
+    /// Whether it came from the pool's Redis Cluster level (another node put it).
+    pub window_from_remote: bool,
     /// Cached tokens run again to rebuild the window.
     pub replayed_tokens: u64,
     /// New tokens computed by the prefill.

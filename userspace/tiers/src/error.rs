@@ -185,6 +185,17 @@ pub enum Error {
     #[error("paged cache")]
     Cache(#[source] kvstack_cache::Error),
 
+    /// The Redis Cluster level of the window pool cannot be set up (its seed node URLs).
+    /// Failures while running are misses, not errors (`docs/cluster.md`).
+    #[error("redis cluster: {what}")]
+    Redis {
+        /// What failed.
+        what: &'static str,
+        /// The client's error.
+        #[source]
+        source: redis::RedisError,
+    },
+
     /// The tiers cannot use the model's config (the source is the config or plan error).
     #[error("model config")]
     Config(#[source] kvstack_spec::Error),

@@ -132,7 +132,7 @@ impl Tiers {
         let mut window = None;
         if let Some(key) = hit.key() {
             let mut snap = Vec::new();
-            if self.pool().get(&key, &mut snap)
+            if self.get_window(hit.tenant, &key, &mut snap).is_some()
                 && parse_snapshot(&snap, g).is_some_and(|s| s.tokens == hit.tokens)
             {
                 window = Some(snap);
@@ -221,6 +221,7 @@ impl Tiers {
         if let Some(w) = &data.window {
             self.put_window(tenant, ticket.key, w)?;
         }
+        self.index_unit(tenant, tokens);
         Ok(ticket)
     }
 
@@ -235,7 +236,8 @@ impl Tiers {
         let ticket =
             self.store()
                 .delete_unit(self.model(), tenant, tokens, self.geometry().page_tokens)?;
-        self.pool().remove(&ticket.key);
+        self.remove_window(tenant.id(), &ticket.key);
+        self.unindex_unit(tenant, tokens);
         Ok(ticket)
     }
 

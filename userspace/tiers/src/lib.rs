@@ -7,6 +7,9 @@
 //!   retained at least 72 hours after last use, compacted, read under leases.
 //! - [`window_pool`]: [`WindowPool`], window-KV snapshots in pinned DRAM (10% of RAM by default) with
 //!   a TTL and LRU eviction.
+//! - [`redis_pool`]: [`RedisPool`], the window pool's second level on Redis Cluster, shared by
+//!   the nodes of a deployment (`docs/cluster.md`); [`shared_index`]: which node holds which
+//!   unit, on the same cluster.
 //! - [`unit`](mod@unit): [`Tiers`], the prefix units the runtime persists and looks up:
 //!   building block payloads from the paged cache, restoring them into it, the window snapshot
 //!   or the bounded replay that a global hit needs.
@@ -21,8 +24,10 @@ mod error;
 pub mod external;
 pub mod fsck;
 pub mod key;
+pub mod redis_pool;
 mod scan;
 mod segment;
+pub mod shared_index;
 pub mod store;
 pub mod unit;
 pub mod window_pool;
@@ -31,6 +36,7 @@ pub use clock::{Clock, HOUR_MS, ManualClock, SystemClock};
 pub use error::{Error, Result};
 pub use external::{Pinned, UnitData, UnitRead};
 pub use key::{ModelFingerprint, Tenant};
+pub use redis_pool::{RedisOptions, RedisPool, RemoteHealth, RemoteStats};
 pub use scan::Damage;
 pub use segment::StoreLocation;
 pub use store::{

@@ -28,6 +28,7 @@ use zerocopy::{FromBytes, IntoBytes};
 
 use crate::clock::Clock;
 use crate::key::{ModelFingerprint, Tenant};
+use crate::redis_pool::{RedisOptions, RedisPool, SnapshotId};
 use crate::store::{
     BlockSource, ReadOutcome, SsdStore, StoreHit, StoreOptions, UnitTicket, UnitWrite,
 };
@@ -50,6 +51,10 @@ pub struct TierOptions {
     pub store: StoreOptions,
     /// The DRAM pool (its slot size is set from the model by [`Tiers::open`]).
     pub pool: PoolOptions,
+    /// The window pool's second level on Redis Cluster, shared by a deployment's nodes
+    /// (`docs/cluster.md`); `None`: the DRAM pool alone. Its snapshots live the DRAM pool's
+    /// TTL.
+    pub remote: Option<RedisOptions>,
     /// A unit every this many tokens of a long input.
     pub unit_interval_tokens: u64,
     /// Identity of the model's weights, mixed into the model fingerprint
@@ -63,6 +68,7 @@ impl TierOptions {
         TierOptions {
             store,
             pool: PoolOptions::new(1),
+            remote: None,
             unit_interval_tokens: DEFAULT_UNIT_INTERVAL,
             weights_id: Vec::new(),
         }
@@ -74,10 +80,13 @@ impl TierOptions {
 pub struct TierHit {
     /// Tokens of the longest stored prefix.
     pub tokens: u64,
-    /// Whether the DRAM pool holds a window snapshot exactly at its end.
+    /// Whether the window pool (its DRAM level, or its Redis level when there is one) holds a
+    /// window snapshot exactly at its end.
     pub window: bool,
     /// The matched blocks.
     pub store: StoreHit,
+    /// `Tenant::id` of the tenant looked up for (the Redis level keys by it).
+    pub tenant: u64,
 }
 
 impl TierHit {
@@ -111,8 +120,11 @@ pub struct Restored {
     pub read_tokens: u64,
     /// Bytes of block payload read from SSD.
     pub read_bytes: u64,
-    /// Whether the window (and pending state) came from a DRAM snapshot.
+    /// Whether the window (and pending state) came from a snapshot of the window pool.
     pub window: bool,
+    /// Whether that snapshot came from the pool's Redis level (another node put it, or this
+    /// node's DRAM level had dropped it).
+    pub window_remote: bool,
     /// When it did not: the replay that rebuilds it.
     pub replay: Option<ReplayPlan>,
     /// Whether a damaged block cut the restore short (the rest is a miss).
@@ -124,6 +136,12 @@ pub struct Restored {
 pub struct Tiers {
     store: SsdStore,
     pool: WindowPool,
+    /// The window pool's Redis level, if configured.
+    remote: Option<RedisPool>,
+    /// Whether the DRAM pool is the first level in front of `remote` (always, without one).
+    local_level: bool,
+    /// Lifetime of shared prefix index entries: the store's retention.
+    index_ttl_ms: u64,
     model: ModelFingerprint,
     geometry: CacheGeometry,
     interval: u64,
@@ -224,11 +242,20 @@ impl Tiers {
             .map(|s| u64::from(s.ratio))
             .max()
             .unwrap_or(1);
+        let remote = match &opts.remote {
+            Some(r) => Some(RedisPool::new(r.clone(), opts.pool.ttl_ms)?),
+            None => None,
+        };
+        let local_level = opts.remote.as_ref().is_none_or(|r| r.local_level);
+        let index_ttl_ms = opts.store.retention_ms;
         let store = SsdStore::open(opts.store, Arc::clone(&clock))?;
         let pool = WindowPool::new(opts.pool, clock)?;
         Ok(Tiers {
             store,
             pool,
+            remote,
+            local_level,
+            index_ttl_ms,
             model,
             geometry,
             interval: opts.unit_interval_tokens.max(1),
@@ -281,17 +308,40 @@ impl Tiers {
         (self.pool.owned_slots(tenant.id()) * self.pool.slot_bytes()) as u64
     }
 
-    /// Puts `tenant`'s window snapshot under `key` within its quota; whether it was kept.
+    /// Puts `tenant`'s window snapshot under `key`: into the Redis level when there is one,
+    /// and into the DRAM level within the tenant's quota when that is in front (or alone);
+    /// whether a level kept it.
     pub(crate) fn put_window(&self, tenant: &Tenant, key: Key, snap: &[u8]) -> Result<bool> {
+        let remote = self.remote.as_ref().is_some_and(|r| {
+            r.put(
+                SnapshotId {
+                    tenant: tenant.id(),
+                    model: &self.model,
+                    key: &key,
+                },
+                snap,
+            )
+        });
+        if !self.local_level {
+            return Ok(remote);
+        }
+        Ok(self.put_window_local(tenant.id(), key, snap)? || remote)
+    }
+
+    /// The DRAM level of [`Tiers::put_window`].
+    fn put_window_local(&self, tenant: u64, key: Key, snap: &[u8]) -> Result<bool> {
         let slot = self.pool.slot_bytes().max(1) as u64;
         let quota = self
-            .dram_quota(tenant)
-            .map(|b| usize::try_from(b / slot).unwrap_or(usize::MAX));
-        let kept = self.pool.put_owned(key, snap, tenant.id(), quota)?;
+            .dram_quotas
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&tenant)
+            .map(|&b| usize::try_from(b / slot).unwrap_or(usize::MAX));
+        let kept = self.pool.put_owned(key, snap, tenant, quota)?;
         if !kept {
             log::debug!(
-                "tenant `{}` is at its DRAM pool quota with every snapshot pinned: window not kept",
-                tenant.name()
+                "tenant {tenant:016x} is at its DRAM pool quota with every snapshot pinned: \
+                 window not kept"
             );
         }
         Ok(kept)
@@ -310,6 +360,90 @@ impl Tiers {
     /// The DRAM window pool.
     pub fn pool(&self) -> &WindowPool {
         &self.pool
+    }
+
+    /// The window pool's Redis level, when configured.
+    pub fn remote(&self) -> Option<&RedisPool> {
+        self.remote.as_ref()
+    }
+
+    fn snapshot_id<'a>(&'a self, tenant: u64, key: &'a Key) -> SnapshotId<'a> {
+        SnapshotId {
+            tenant,
+            model: &self.model,
+            key,
+        }
+    }
+
+    /// Whether either level of the window pool holds a snapshot under `key`.
+    fn has_window(&self, tenant: u64, key: &Key) -> bool {
+        self.pool.contains(key)
+            || self
+                .remote
+                .as_ref()
+                .is_some_and(|r| r.contains(self.snapshot_id(tenant, key)))
+    }
+
+    /// Copies the window snapshot under `key` into `out`: from the DRAM level, else from the
+    /// Redis level (checked there: a damaged value is a miss). `None`: neither holds one;
+    /// `Some(true)`: it came from Redis.
+    pub(crate) fn get_window(&self, tenant: u64, key: &Key, out: &mut Vec<u8>) -> Option<bool> {
+        if self.pool.get(key, out) {
+            return Some(false);
+        }
+        let r = self.remote.as_ref()?;
+        r.get(self.snapshot_id(tenant, key), out).then_some(true)
+    }
+
+    /// Records the unit `tokens` of `tenant` in the shared prefix index under this node's id,
+    /// when there is an index (best effort: a failure is counted by the Redis level).
+    pub(crate) fn index_unit(&self, tenant: &Tenant, tokens: &[u32]) {
+        if let Some(r) = &self.remote
+            && let Some(node) = &r.options().node_id
+        {
+            let keys =
+                crate::key::chain_keys(tokens, self.geometry.page_tokens, &self.model, tenant);
+            r.index_put(
+                tenant.id(),
+                &self.model,
+                &keys,
+                tokens.len() as u64,
+                node,
+                self.index_ttl_ms,
+            );
+        }
+    }
+
+    /// Drops this node's shared prefix index entries of the unit `tokens` of `tenant`.
+    pub(crate) fn unindex_unit(&self, tenant: &Tenant, tokens: &[u32]) {
+        if let Some(r) = &self.remote
+            && let Some(node) = &r.options().node_id
+        {
+            let keys =
+                crate::key::chain_keys(tokens, self.geometry.page_tokens, &self.model, tenant);
+            r.index_remove(tenant.id(), &self.model, &keys, node);
+        }
+    }
+
+    /// The longest prefix of `tokens` that the shared prefix index says some node holds for
+    /// `tenant` (this node included), and which node; `None` without an index, when nothing
+    /// is indexed, or when Redis is down (`docs/cluster.md`).
+    pub fn cluster_lookup(
+        &self,
+        tokens: &[u32],
+        tenant: &Tenant,
+    ) -> Option<crate::shared_index::IndexHit> {
+        let r = self.remote.as_ref()?;
+        let keys = crate::key::chain_keys(tokens, self.geometry.page_tokens, &self.model, tenant);
+        r.index_longest(tenant.id(), &self.model, &keys)
+    }
+
+    /// Drops the window snapshot under `key` from both levels.
+    pub(crate) fn remove_window(&self, tenant: u64, key: &Key) {
+        self.pool.remove(key);
+        if let Some(r) = &self.remote {
+            r.remove(self.snapshot_id(tenant, key));
+        }
     }
 
     /// The model fingerprint keys are derived from.
@@ -371,6 +505,7 @@ impl Tiers {
         {
             self.put_window(tenant, ticket.key, &snap)?;
         }
+        self.index_unit(tenant, &tokens[..upto as usize]);
         Ok(ticket)
     }
 
@@ -419,11 +554,14 @@ impl Tiers {
         let store = self
             .store
             .lookup(&self.model, tenant, tokens, self.geometry.page_tokens);
-        let window = store.end().is_some_and(|k| self.pool.contains(&k));
+        let window = store
+            .end()
+            .is_some_and(|k| self.has_window(tenant.id(), &k));
         TierHit {
             tokens: store.tokens,
             window,
             store,
+            tenant: tenant.id(),
         }
     }
 
@@ -442,8 +580,16 @@ impl Tiers {
         // The snapshot at the prefix's end, read before the blocks: an unaligned end needs
         // its pending compressor state to append the last block.
         let mut snap = Vec::new();
+        let mut from_remote = false;
+        let got = |key: &Key, snap: &mut Vec<u8>, from_remote: &mut bool| {
+            self.get_window(hit.tenant, key, snap)
+                .map(|remote| *from_remote = remote)
+                .is_some()
+        };
         let snapshot = match hit.key() {
-            Some(key) if hit.window && want == hit.tokens && self.pool.get(&key, &mut snap) => {
+            Some(key)
+                if hit.window && want == hit.tokens && got(&key, &mut snap, &mut from_remote) =>
+            {
                 match parse_snapshot(&snap, &g) {
                     Some(s) if s.tokens == want => Some(s),
                     Some(_) => None,
@@ -570,6 +716,15 @@ impl Tiers {
             }
             window = true;
         }
+        if window && from_remote && self.local_level {
+            // The next turn on this node finds it in DRAM (best effort: a tenant at its quota
+            // with every snapshot pinned keeps it in Redis only).
+            if let Some(key) = hit.key()
+                && let Err(e) = self.put_window_local(hit.tenant, key, &snap)
+            {
+                log::debug!("window snapshot from redis not kept in DRAM: {e}");
+            }
+        }
         let replay = (!window && len > 0).then(|| ReplayPlan {
             start: len.saturating_sub(g.window_tokens as u64),
             end: len,
@@ -581,6 +736,7 @@ impl Tiers {
             read_tokens: len - mapped,
             read_bytes,
             window,
+            window_remote: window && from_remote,
             replay,
             damaged: matches!(outcome, ReadOutcome::Damaged { .. }),
         })

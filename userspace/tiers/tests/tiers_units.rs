@@ -5,6 +5,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+#[path = "support/redis_cluster.rs"]
+mod redis_cluster;
 mod tiers_common;
 
 use std::sync::Arc;
@@ -15,7 +17,7 @@ use kvstack_spec::builtin::default_config;
 use kvstack_tiers::unit::ReplayPlan;
 use kvstack_tiers::window_pool::DEFAULT_TTL_MS;
 use kvstack_tiers::{
-    ManualClock, PoolOptions, StoreLocation, StoreOptions, Tenant, TierOptions, Tiers,
+    ManualClock, PoolOptions, RedisOptions, StoreLocation, StoreOptions, Tenant, TierOptions, Tiers,
 };
 use tiers_common::{MEM, TempDir};
 use zerocopy::{FromBytes, IntoBytes};
@@ -34,6 +36,14 @@ fn cache() -> KvCache {
 }
 
 fn tiers(dir: &std::path::Path, clock: Arc<ManualClock>) -> Tiers {
+    tiers_with(dir, clock, None)
+}
+
+fn tiers_with(
+    dir: &std::path::Path,
+    clock: Arc<ManualClock>,
+    remote: Option<RedisOptions>,
+) -> Tiers {
     let mut store = StoreOptions::new(StoreLocation::Directory(dir.to_path_buf()));
     store.segment_bytes = 8 << 20;
     store.capacity_bytes = 8 * store.segment_bytes;
@@ -44,6 +54,7 @@ fn tiers(dir: &std::path::Path, clock: Arc<ManualClock>) -> Tiers {
     let opts = TierOptions {
         store,
         pool,
+        remote,
         ..TierOptions::new(StoreOptions::new(StoreLocation::Directory(
             dir.to_path_buf(),
         )))
@@ -395,4 +406,107 @@ fn a_unit_may_end_inside_a_compress_group_and_comes_back_whole_with_its_window()
     );
     same(&src, seq, &dst, r.seq, false);
     assert!(dst.pending(r.seq, 2).unwrap().is_none_or(<[f32]>::is_empty));
+}
+
+/// Two nodes (two stores, two DRAM pools) sharing one Redis Cluster: node B holds the unit's
+/// global KV (copied as bytes, without its window) and restores the window node A put into
+/// Redis, bit for bit; with the DRAM level off, B keeps nothing locally; another tenant
+/// never sees it.
+#[test]
+fn a_second_node_restores_the_window_from_redis() {
+    let Some(cluster) = redis_cluster::RedisCluster::start() else {
+        return;
+    };
+    let (da, db) = (TempDir::new("node-a"), TempDir::new("node-b"));
+    let clock = Arc::new(ManualClock::new(1_700_000_000_000));
+    let mut remote = RedisOptions::new(cluster.urls());
+    remote.key_prefix = "units:".into();
+    remote.node_id = Some("node-a".into());
+    let a = tiers_with(da.path(), clock.clone(), Some(remote.clone()));
+    remote.local_level = false;
+    remote.node_id = Some("node-b".into());
+    let b = tiers_with(db.path(), clock.clone(), Some(remote));
+    let tenant = Tenant::new("acme");
+    let tokens: Vec<u32> = (0..1000).map(|i| i * 5 + 3).collect();
+    let mut src = cache();
+    let seq = build(&mut src, &tokens, 4);
+    a.persist(&src, seq, &tenant, 1000).unwrap().wait().unwrap();
+    assert_eq!(a.remote().unwrap().stats().puts, 1);
+
+    // The shared prefix index tells B that node-a holds the 1000 tokens (4 blocks of 256,
+    // the last partial), also for a longer request, and for a request that shares only the
+    // first two blocks; nothing for another tenant.
+    let mut longer = tokens.clone();
+    longer.extend([1, 2, 3]);
+    let ix = b.cluster_lookup(&tokens, &tenant).unwrap();
+    assert_eq!(
+        (ix.blocks, ix.entry.node.as_str(), ix.entry.unit_tokens),
+        (4, "node-a", 1000)
+    );
+    assert_eq!(b.cluster_lookup(&longer, &tenant).unwrap().blocks, 3);
+    let mut diverging = tokens[..600].to_vec();
+    diverging.push(77);
+    assert_eq!(b.cluster_lookup(&diverging, &tenant).unwrap().blocks, 2);
+    assert_eq!(b.cluster_lookup(&tokens, &Tenant::new("other")), None);
+
+    // B gets the global KV as bytes (what the KV-cache API carries), not the window.
+    let hit = a.lookup(&tokens, &tenant);
+    let mut data = a.read_unit(&tokens, &hit).unwrap().unwrap();
+    assert!(data.window.take().is_some());
+    b.write_unit(&tenant, &tokens, &data)
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(b.pool().stats().entries, 0);
+    // Now B holds it too: the last writer's entry wins.
+    assert_eq!(
+        b.cluster_lookup(&tokens, &tenant).unwrap().entry.node,
+        "node-b"
+    );
+
+    let mut request = tokens.clone();
+    request.push(9);
+    let hit = b.lookup(&request, &tenant);
+    assert_eq!((hit.tokens, hit.window), (1000, true));
+    let mut dst = cache();
+    let r = b.restore(&mut dst, &request, &hit).unwrap();
+    assert_eq!(
+        (r.tokens, r.window, r.window_remote, r.replay),
+        (1000, true, true, None)
+    );
+    same(&src, seq, &dst, r.seq, true);
+    // With its DRAM level off, B kept no copy; A's own restores come from its DRAM level.
+    assert_eq!(b.pool().stats().entries, 0);
+    assert_eq!(b.remote().unwrap().stats().hits, 1);
+    let hit = a.lookup(&request, &tenant);
+    let mut dst2 = cache();
+    let r = a.restore(&mut dst2, &request, &hit).unwrap();
+    assert_eq!((r.window, r.window_remote), (true, false));
+
+    // Another tenant with the same tokens and blocks finds no window (its own keys).
+    let other = Tenant::new("other");
+    b.write_unit(&other, &tokens, &data)
+        .unwrap()
+        .wait()
+        .unwrap();
+    let hit = b.lookup(&request, &other);
+    assert_eq!((hit.tokens, hit.window), (1000, false));
+
+    // A delete on B drops the snapshot from Redis too: A, which still has it in DRAM, is
+    // unaffected, but a third node would find none.
+    b.delete_unit(&tenant, &tokens).unwrap().wait().unwrap();
+    // B's entries are gone; A's were overwritten by B's, so the index has none (a stale
+    // answer would only cost a miss at the peer).
+    assert_eq!(b.cluster_lookup(&tokens, &tenant), None);
+    let hit = a.lookup(&request, &tenant);
+    assert!(hit.window);
+    let mut out = Vec::new();
+    let model = *a.model();
+    let key = hit.key().unwrap();
+    let id = kvstack_tiers::redis_pool::SnapshotId {
+        tenant: tenant.id(),
+        model: &model,
+        key: &key,
+    };
+    assert!(!a.remote().unwrap().get(id, &mut out));
 }
