@@ -290,6 +290,51 @@ fn appliance_seeds(out: &Path) {
     }
 }
 
+/// Device and cluster data (`device_cluster_parse`): byte 0 picks the parser (0 CAP, 1 Identify
+/// Controller, 2 Identify Namespace, 3 a status field, 4 a Redis window value, 5 a shared
+/// index entry); the identities are the target's constants.
+fn device_cluster_seeds(out: &Path) {
+    use kvstack_tiers::ModelFingerprint;
+    use kvstack_tiers::redis_pool::{SnapshotId, encode_value};
+    use kvstack_tiers::shared_index::encode_entry;
+    let target = out.join("device_cluster_parse");
+    // CAP: MQES 1023, CQR, TO 20 (10 s), DSTRD 0, CSS NVM, MPSMIN 0, MPSMAX 4.
+    let cap: u64 = 1023 | 1 << 16 | 20 << 24 | 1 << 37 | 4 << 52;
+    let mut input = vec![0u8];
+    input.extend_from_slice(&cap.to_le_bytes());
+    write(&target, "seed-cap", &input);
+    let mut ctrl = vec![0u8; 4096];
+    ctrl[4..11].copy_from_slice(b"KVSTACK");
+    ctrl[24..34].copy_from_slice(b"QEMU NVMe ");
+    ctrl[512] = 0x66; // SQES: 64-byte entries
+    ctrl[513] = 0x44; // CQES: 16-byte entries
+    ctrl[516] = 1; // NN
+    let mut input = vec![1u8];
+    input.extend_from_slice(&ctrl);
+    write(&target, "seed-identify-controller", &input);
+    let mut ns = vec![0u8; 4096];
+    ns[0..8].copy_from_slice(&2048u64.to_le_bytes()); // NSZE
+    ns[8..16].copy_from_slice(&2048u64.to_le_bytes()); // NCAP
+    ns[128..132].copy_from_slice(&(12u32 << 16).to_le_bytes()); // LBAF0: 4 KiB blocks
+    let mut input = vec![2u8];
+    input.extend_from_slice(&ns);
+    write(&target, "seed-identify-namespace", &input);
+    write(&target, "seed-status", &[3u8, 0x02, 0x40]);
+    let model = ModelFingerprint([7; 32]);
+    let key = [9u8; 32];
+    let id = SnapshotId {
+        tenant: 0x1234_5678,
+        model: &model,
+        key: &key,
+    };
+    let mut input = vec![4u8];
+    input.extend(encode_value(id, &[0x5Au8; 96]));
+    write(&target, "seed-redis-value", &input);
+    let mut input = vec![5u8];
+    input.extend(encode_entry(0x1234_5678, &model, &key, 283, "node-a"));
+    write(&target, "seed-index-entry", &input);
+}
+
 fn main() {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     let out = std::env::args_os()
@@ -302,4 +347,5 @@ fn main() {
     safetensors_seeds(&out);
     entry_seeds(&out);
     appliance_seeds(&out);
+    device_cluster_seeds(&out);
 }
