@@ -1,5 +1,6 @@
 //! Block I/O engines for the SSD tier: io_uring with `O_DIRECT` and registered (pinned)
-//! buffers, and a synchronous `pread`/`pwrite` fallback.
+//! buffers, a synchronous `pread`/`pwrite` fallback, and [`NvmeEngine`] over the userspace NVMe
+//! driver's queues (docs/nvme.md, "The block engine").
 //!
 //! An engine moves whole, 4 KiB-aligned records between [`IoBuf`]s and an [`IoTarget`]: a file
 //! (segment files, a preallocated file or a raw block device) or a namespace of an NVMe
@@ -21,6 +22,7 @@
 
 pub mod buffer;
 pub mod file;
+mod nvme_engine;
 mod sync;
 mod uring;
 
@@ -33,6 +35,7 @@ use serde::Serialize;
 
 pub use buffer::{BUFFER_ALIGN, BufferPool, IoBuf};
 pub use file::{OpenMode, file_size, open_file, preallocate, sync_dir};
+pub use nvme_engine::NvmeEngine;
 pub use sync::SyncEngine;
 pub use uring::UringEngine;
 
@@ -154,6 +157,8 @@ pub enum EngineKind {
     Uring,
     /// Synchronous `pread`/`pwrite` on the calling thread.
     Sync,
+    /// The userspace NVMe driver: commands on a controller's queues, completions polled.
+    Nvme,
 }
 
 impl EngineKind {
@@ -162,6 +167,7 @@ impl EngineKind {
         match self {
             EngineKind::Uring => "io_uring",
             EngineKind::Sync => "pread/pwrite",
+            EngineKind::Nvme => "userspace NVMe",
         }
     }
 }
