@@ -555,6 +555,50 @@ mod tests {
     }
 
     #[test]
+    fn byte_offsets_become_lbas_of_the_namespace_block_size() {
+        // 512-byte logical blocks: 2,048 of them in the fake's 1 MiB.
+        let fake = Fake::new(256, 64);
+        fake.state().block_shift = 9;
+        let pool = BufferPool::new(2, PAGE, MEM).unwrap();
+        let mut e = engine(&fake, 16, 2);
+        assert_eq!(
+            e.target,
+            NamespaceTarget {
+                nsid: 1,
+                block_bytes: 512,
+                blocks: 2048
+            }
+        );
+        // Offset 1,536 is LBA 3: whole blocks, though not a whole page.
+        let mut o = op(&e, &pool, OpKind::Write, 1536, PAGE, 0);
+        let data: Vec<u8> = (0..PAGE).map(|i| (i / 512) as u8 + 1).collect();
+        o.buf.as_mut_slice().copy_from_slice(&data);
+        e.submit(o).unwrap();
+        assert!(reap_all(&mut e)[0].result.is_ok());
+        {
+            let s = fake.state();
+            assert!(s.disk[..1536].iter().all(|&b| b == 0));
+            assert_eq!(&s.disk[1536..1536 + PAGE], &data[..]);
+            assert!(s.disk[1536 + PAGE..].iter().all(|&b| b == 0));
+        }
+        // Read from LBA 4: the last seven blocks written, then one never written.
+        e.submit(op(&e, &pool, OpKind::Read, 2048, PAGE, 0xEE))
+            .unwrap();
+        let c = reap_all(&mut e).pop().unwrap();
+        assert_eq!(&c.op.buf.as_slice()[..PAGE - 512], &data[512..]);
+        assert!(c.op.buf.as_slice()[PAGE - 512..].iter().all(|&b| b == 0));
+        // Half a block is refused.
+        let r = e
+            .submit(op(&e, &pool, OpKind::Read, 256, PAGE, 0))
+            .unwrap_err();
+        assert!(
+            r.error.to_string().contains("logical blocks of 512"),
+            "{}",
+            r.error
+        );
+    }
+
+    #[test]
     fn ranges_that_are_not_whole_blocks_or_outside_the_namespace_are_refused() {
         let fake = Fake::new(256, 64);
         let pool = BufferPool::new(2, 8 * PAGE, MEM).unwrap();
