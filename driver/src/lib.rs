@@ -172,4 +172,15 @@ pub enum Error {
         /// Length of the view.
         len: usize,
     },
+    /// A block-I/O operation the engine cannot carry out on its target (a file engine given
+    /// an NVMe namespace, or the reverse), or whose range does not fit the target's blocks.
+    #[error("block I/O {op} refused by the {engine} engine: {reason}")]
+    BlockTarget {
+        /// The operation (`read`, `write`, `flush`).
+        op: &'static str,
+        /// The engine's name.
+        engine: &'static str,
+        /// Why, with the numbers.
+        reason: String,
+    },
 }

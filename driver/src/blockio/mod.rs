@@ -1,9 +1,11 @@
 //! Block I/O engines for the SSD tier: io_uring with `O_DIRECT` and registered (pinned)
-//! buffers, and a synchronous `pread`/`pwrite` fallback.
+//! buffers, a synchronous `pread`/`pwrite` fallback, and [`NvmeEngine`] over the userspace NVMe
+//! driver's queues (docs/nvme.md, "The block engine").
 //!
-//! An engine moves whole, 4 KiB-aligned records between [`IoBuf`]s and files (segment files, a
-//! preallocated file or a raw block device). Its interface is submit/complete with **owned
-//! buffers**: [`BlockEngine::submit`] takes an [`IoOp`] (buffer and file included) and the
+//! An engine moves whole, 4 KiB-aligned records between [`IoBuf`]s and an [`IoTarget`]: a file
+//! (segment files, a preallocated file or a raw block device) or a namespace of an NVMe
+//! controller driven from userspace. Its interface is submit/complete with **owned
+//! buffers**: [`BlockEngine::submit`] takes an [`IoOp`] (buffer and target included) and the
 //! engine keeps it in its in-flight table until the operation's completion has been reaped;
 //! [`BlockEngine::wait`] hands the buffer back in a [`Completion`]. A buffer can therefore never
 //! be reused, freed or read by the CPU while the kernel may still write it (see the DMA
@@ -20,6 +22,7 @@
 
 pub mod buffer;
 pub mod file;
+mod nvme_engine;
 mod sync;
 mod uring;
 
@@ -32,6 +35,7 @@ use serde::Serialize;
 
 pub use buffer::{BUFFER_ALIGN, BufferPool, IoBuf};
 pub use file::{OpenMode, file_size, open_file, preallocate, sync_dir};
+pub use nvme_engine::NvmeEngine;
 pub use sync::SyncEngine;
 pub use uring::UringEngine;
 
@@ -44,16 +48,80 @@ pub enum OpKind {
     Write,
 }
 
-/// One operation: `len` bytes between the start of `buf` and `file` at `offset`. With direct
-/// I/O, `offset` and `len` must be multiples of 4 KiB (the buffer always is aligned).
+impl OpKind {
+    /// Lower-case name, for errors.
+    pub fn name(self) -> &'static str {
+        match self {
+            OpKind::Read => "read",
+            OpKind::Write => "write",
+        }
+    }
+}
+
+/// A namespace of an NVMe controller that a userspace engine drives: the geometry an
+/// operation on it must fit (whole logical blocks below the capacity).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct NamespaceTarget {
+    /// Namespace identifier (NSID, 1-based).
+    pub nsid: u32,
+    /// Bytes per logical block (LBA size).
+    pub block_bytes: u64,
+    /// Logical blocks in the namespace (NSZE).
+    pub blocks: u64,
+}
+
+impl NamespaceTarget {
+    /// Capacity in bytes.
+    pub fn capacity(&self) -> u64 {
+        self.blocks.saturating_mul(self.block_bytes)
+    }
+}
+
+/// Where an operation's bytes go or come from. A file engine (io_uring, sync) accepts only
+/// [`IoTarget::File`]; the NVMe engine only its own controller's [`IoTarget::Namespace`].
+#[derive(Clone, Debug)]
+pub enum IoTarget {
+    /// A kernel file; the engine holds it open until completion, so its descriptor cannot be
+    /// reused for another file while the operation is in flight.
+    File(Arc<File>),
+    /// A namespace of a controller driven by the userspace NVMe driver.
+    Namespace(NamespaceTarget),
+}
+
+impl IoTarget {
+    /// The file, when the target is one.
+    pub fn file(&self) -> Option<&Arc<File>> {
+        match self {
+            IoTarget::File(f) => Some(f),
+            IoTarget::Namespace(_) => None,
+        }
+    }
+
+    /// The target in words, for errors.
+    pub fn describe(&self) -> String {
+        match self {
+            IoTarget::File(_) => "a file".to_owned(),
+            IoTarget::Namespace(ns) => format!("NVMe namespace {}", ns.nsid),
+        }
+    }
+}
+
+impl From<Arc<File>> for IoTarget {
+    fn from(file: Arc<File>) -> IoTarget {
+        IoTarget::File(file)
+    }
+}
+
+/// One operation: `len` bytes between the start of `buf` and `target` at `offset`. With direct
+/// I/O, `offset` and `len` must be multiples of 4 KiB (the buffer always is aligned); on an
+/// NVMe namespace, multiples of its block size.
 #[derive(Debug)]
 pub struct IoOp {
     /// Direction.
     pub kind: OpKind,
-    /// The file; the engine holds it open until completion, so its descriptor cannot be reused
-    /// for another file while the operation is in flight.
-    pub file: Arc<File>,
-    /// Byte offset in the file.
+    /// Where the bytes go or come from; held by the engine until completion.
+    pub target: IoTarget,
+    /// Byte offset in the target.
     pub offset: u64,
     /// Bytes to move (at most `buf.len()`).
     pub len: usize,
@@ -63,7 +131,7 @@ pub struct IoOp {
     pub tag: u64,
 }
 
-/// A finished operation, with its buffer and file handed back.
+/// A finished operation, with its buffer and target handed back.
 #[derive(Debug)]
 pub struct Completion {
     /// The submitted operation (buffer included).
@@ -89,6 +157,8 @@ pub enum EngineKind {
     Uring,
     /// Synchronous `pread`/`pwrite` on the calling thread.
     Sync,
+    /// The userspace NVMe driver: commands on a controller's queues, completions polled.
+    Nvme,
 }
 
 impl EngineKind {
@@ -97,6 +167,7 @@ impl EngineKind {
         match self {
             EngineKind::Uring => "io_uring",
             EngineKind::Sync => "pread/pwrite",
+            EngineKind::Nvme => "userspace NVMe",
         }
     }
 }
@@ -133,6 +204,36 @@ pub trait BlockEngine: Send {
     /// # Errors
     /// The ring's own failure (not an operation's: those are in [`Completion::result`]).
     fn wait(&mut self, min: usize, out: &mut Vec<Completion>) -> io::Result<usize>;
+
+    /// Makes every write to `target` that completed before this call durable: `fdatasync` for
+    /// a file, the NVMe Flush command for a namespace. Operations still in flight are not
+    /// covered (reap them first). Blocks until done.
+    ///
+    /// # Errors
+    /// The flush's own error, or [`crate::Error::BlockTarget`] (kind `InvalidInput`) for a
+    /// target this engine cannot reach.
+    fn flush(&mut self, target: &IoTarget) -> io::Result<()>;
+}
+
+/// [`BlockEngine::flush`] of the file engines: `fdatasync`, exactly what the SSD tier called
+/// before targets existed.
+pub(crate) fn flush_file(engine: &'static str, target: &IoTarget) -> io::Result<()> {
+    match target {
+        IoTarget::File(f) => f.sync_data(),
+        IoTarget::Namespace(_) => Err(wrong_target("flush", engine, target)),
+    }
+}
+
+/// The error of a file engine given a target that is not a file.
+pub(crate) fn wrong_target(op: &'static str, engine: &'static str, target: &IoTarget) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::InvalidInput,
+        crate::Error::BlockTarget {
+            op,
+            engine,
+            reason: format!("it moves data to files only, not to {}", target.describe()),
+        },
+    )
 }
 
 /// What to run, as configured.

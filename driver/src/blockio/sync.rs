@@ -7,7 +7,10 @@ use std::collections::VecDeque;
 use std::io;
 use std::os::unix::fs::FileExt;
 
-use super::{BlockEngine, Completion, EngineKind, IoOp, OpKind, SubmitError};
+use super::{
+    BlockEngine, Completion, EngineKind, IoOp, IoTarget, OpKind, SubmitError, flush_file,
+    wrong_target,
+};
 
 /// Synchronous `pread`/`pwrite` engine.
 #[derive(Debug)]
@@ -30,6 +33,9 @@ impl SyncEngine {
 }
 
 fn run(op: &mut IoOp) -> io::Result<usize> {
+    let Some(file) = op.target.file().cloned() else {
+        return Err(wrong_target(op.kind.name(), "pread/pwrite", &op.target));
+    };
     let mut done = 0;
     while done < op.len {
         let off = op.offset + done as u64;
@@ -40,11 +46,11 @@ fn run(op: &mut IoOp) -> io::Result<usize> {
                     .as_mut_slice()
                     .get_mut(done..op.len)
                     .unwrap_or_default();
-                op.file.read_at(dst, off)
+                file.read_at(dst, off)
             }
             OpKind::Write => {
                 let src = op.buf.as_slice().get(done..op.len).unwrap_or_default();
-                op.file.write_at(src, off)
+                file.write_at(src, off)
             }
         };
         match r {
@@ -113,6 +119,10 @@ impl BlockEngine for SyncEngine {
         out.extend(self.done.drain(..));
         Ok(n)
     }
+
+    fn flush(&mut self, target: &IoTarget) -> io::Result<()> {
+        flush_file("pread/pwrite", target)
+    }
 }
 
 #[cfg(test)]
@@ -150,7 +160,7 @@ mod tests {
         buf.as_mut_slice().fill(9);
         let op = |kind, buf, len| IoOp {
             kind,
-            file: Arc::clone(&f),
+            target: Arc::clone(&f).into(),
             offset: 0,
             len,
             buf,
@@ -169,6 +179,56 @@ mod tests {
         // The file holds 4096 bytes: the 8192-byte read stops at its end.
         assert_eq!(*out[0].result.as_ref().unwrap(), 4096);
         assert!(out[0].op.buf.as_slice()[..4096].iter().all(|&b| b == 9));
+        let _ = std::fs::remove_file(&path);
+    }
+
+    #[test]
+    fn flushes_files_and_refuses_namespaces_by_name() {
+        let path = std::env::temp_dir().join(format!("kvstack-sync-flush-{}", std::process::id()));
+        let mode = OpenMode {
+            write: true,
+            create: true,
+            direct: false,
+        };
+        let f: IoTarget = Arc::new(open_file(&path, mode).unwrap()).into();
+        let mut e = SyncEngine::new(2, false);
+        e.flush(&f).unwrap();
+        let ns = IoTarget::Namespace(crate::blockio::NamespaceTarget {
+            nsid: 3,
+            block_bytes: 4096,
+            blocks: 16,
+        });
+        let err = e.flush(&ns).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::InvalidInput);
+        assert!(err.to_string().contains("NVMe namespace 3"), "{err}");
+        let pool = BufferPool::new(
+            1,
+            4096,
+            PinnedOptions {
+                huge_pages: HugePages::Never,
+                locking: Locking::Never,
+            },
+        )
+        .unwrap();
+        let op = IoOp {
+            kind: OpKind::Write,
+            target: ns,
+            offset: 0,
+            len: 4096,
+            buf: pool.try_get().unwrap(),
+            tag: 7,
+        };
+        e.submit(op).unwrap();
+        let mut out = Vec::new();
+        e.wait(1, &mut out).unwrap();
+        let err = out[0].result.as_ref().unwrap_err();
+        assert!(
+            matches!(
+                err.get_ref().and_then(|e| e.downcast_ref::<crate::Error>()),
+                Some(crate::Error::BlockTarget { op: "write", .. })
+            ),
+            "{err}"
+        );
         let _ = std::fs::remove_file(&path);
     }
 }

@@ -11,7 +11,10 @@ use std::os::fd::AsRawFd;
 use nix::errno::Errno;
 
 use super::buffer::{BufferPool, PoolInner};
-use super::{BlockEngine, Completion, EngineKind, IoOp, OpKind, SubmitError};
+use super::{
+    BlockEngine, Completion, EngineKind, IoOp, IoTarget, OpKind, SubmitError, flush_file,
+    wrong_target,
+};
 use std::sync::Arc;
 
 /// One submission as the engine describes it to a [`Ring`].
@@ -191,6 +194,9 @@ impl BlockEngine for UringEngine {
     fn wait(&mut self, min: usize, out: &mut Vec<Completion>) -> io::Result<usize> {
         self.0.wait(min, out)
     }
+    fn flush(&mut self, target: &IoTarget) -> io::Result<()> {
+        self.0.flush(target)
+    }
 }
 
 impl<R: Ring> RingEngine<R> {
@@ -234,7 +240,8 @@ impl<R: Ring> RingEngine<R> {
         let remaining = op.len.saturating_sub(done);
         Sqe {
             kind: op.kind,
-            fd: op.file.as_raw_fd(),
+            // Only file targets pass submit; -1 would make the kernel answer EBADF.
+            fd: op.target.file().map_or(-1, |f| f.as_raw_fd()),
             // SAFETY: done < op.len <= buf.len() (checked at submit; `done` grows only while
             // below `len`), so the pointer stays inside the buffer.
             addr: unsafe { op.buf.as_mut_ptr().add(done) },
@@ -352,6 +359,12 @@ impl<R: Ring> BlockEngine for RingEngine<R> {
                 op: Box::new(op),
             });
         }
+        if op.target.file().is_none() {
+            return Err(SubmitError {
+                error: wrong_target(op.kind.name(), "io_uring", &op.target),
+                op: Box::new(op),
+            });
+        }
         let Some(slot) = self.free_slots.pop().filter(|&s| s < self.slots.len()) else {
             return Err(SubmitError {
                 error: io::Error::new(
@@ -396,6 +409,10 @@ impl<R: Ring> BlockEngine for RingEngine<R> {
             got += self.reap(out)?;
         }
         Ok(got)
+    }
+
+    fn flush(&mut self, target: &IoTarget) -> io::Result<()> {
+        flush_file("io_uring", target)
     }
 }
 
@@ -610,12 +627,33 @@ mod tests {
         buf.as_mut_slice().fill(fill);
         IoOp {
             kind: OpKind::Write,
-            file: file(),
+            target: file().into(),
             offset,
             len,
             buf,
             tag,
         }
+    }
+
+    #[test]
+    fn a_namespace_target_is_refused_with_the_operation_returned() {
+        let pool = BufferPool::new(4, 16384, MEM).unwrap();
+        let (mut e, _disk) = engine(Behaviour::default(), &pool);
+        let mut op = write_op(&pool, 0, 4096, 1, 9);
+        op.target = IoTarget::Namespace(crate::blockio::NamespaceTarget {
+            nsid: 1,
+            block_bytes: 512,
+            blocks: 8,
+        });
+        let refused = e.submit(op).unwrap_err();
+        assert_eq!(refused.op.tag, 9);
+        assert_eq!(e.in_flight(), 0);
+        assert!(
+            refused.error.to_string().contains("io_uring"),
+            "{}",
+            refused.error
+        );
+        assert!(e.flush(&refused.op.target).is_err());
     }
 
     fn run_all(b: Behaviour) -> Vec<u8> {
@@ -791,7 +829,7 @@ mod tests {
         let mut e = RingEngine::with_ring(ring, 4, Some(&pool));
         for i in 0..4u64 {
             let mut op = write_op(&pool, i * 65536, 65536, i as u8 + 10, i);
-            op.file = Arc::clone(&f);
+            op.target = Arc::clone(&f).into();
             e.submit(op).unwrap();
         }
         let mut out = Vec::new();
@@ -803,7 +841,7 @@ mod tests {
         for i in 0..4u64 {
             let mut op = write_op(&pool, i * 65536, 65536, 0, i);
             op.kind = OpKind::Read;
-            op.file = Arc::clone(&f);
+            op.target = Arc::clone(&f).into();
             e.submit(op).unwrap();
         }
         while out.len() < 4 {

@@ -173,6 +173,17 @@ impl<R: Registers, D: Dma> Controller<R, D> {
         self.io.len()
     }
 
+    /// The namespace in use (NSID).
+    pub fn namespace_id(&self) -> u32 {
+        self.opts.namespace
+    }
+
+    /// Commands I/O queue `queue` holds at once (its entries less one; 0 if it does not
+    /// exist).
+    pub fn io_queue_capacity(&self, queue: usize) -> usize {
+        self.io.get(queue).map_or(0, QueuePair::capacity)
+    }
+
     /// Largest transfer per command in bytes.
     pub fn max_transfer(&self) -> usize {
         self.max_transfer

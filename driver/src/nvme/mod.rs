@@ -32,7 +32,7 @@ mod queue;
 pub mod vfio;
 
 #[cfg(test)]
-mod fake;
+pub(crate) mod fake;
 #[cfg(test)]
 mod tests;
 

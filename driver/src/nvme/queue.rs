@@ -116,6 +116,11 @@ impl QueuePair {
         self.slots.len() - self.free.len()
     }
 
+    /// Commands the ring holds at once.
+    pub fn capacity(&self) -> usize {
+        usize::from(self.entries).saturating_sub(1)
+    }
+
     /// Whether another command fits in the submission ring.
     pub fn has_room(&self) -> bool {
         (self.sq_tail + 1) % self.entries != self.sq_head && !self.free.is_empty()

@@ -142,7 +142,7 @@ impl<'a> ChunkReader<'a> {
             let n = self.chunk().min(self.len - self.next_submit);
             let op = IoOp {
                 kind: OpKind::Read,
-                file: Arc::clone(&self.file),
+                target: Arc::clone(&self.file).into(),
                 offset: self.base + self.next_submit,
                 len: n as usize,
                 buf,

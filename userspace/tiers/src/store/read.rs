@@ -161,7 +161,7 @@ impl SsdStore {
                 let (l, seg, _) = &plan[next_submit];
                 let op = IoOp {
                     kind: OpKind::Read,
-                    file: Arc::clone(&seg.file),
+                    target: Arc::clone(&seg.file).into(),
                     offset: seg.base + l.offset,
                     len: l.len as usize,
                     buf,

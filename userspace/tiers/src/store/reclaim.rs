@@ -393,7 +393,7 @@ impl Writer {
         self.next_tag += 1;
         let op = IoOp {
             kind: OpKind::Read,
-            file: Arc::clone(&file.file),
+            target: Arc::clone(&file.file).into(),
             offset: file.base + loc.offset,
             len: loc.len as usize,
             buf,

@@ -407,7 +407,7 @@ impl Writer {
         self.next_tag += 1;
         let op = IoOp {
             kind: OpKind::Write,
-            file: Arc::clone(&file.file),
+            target: Arc::clone(&file.file).into(),
             offset: file.base + offset,
             len: len as usize,
             buf,
