@@ -7,6 +7,7 @@
 //! test can skip; under CI (`CI` set) a missing `redis-server` fails the test instead.
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+use std::io::Write;
 use std::net::TcpListener;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -33,15 +34,26 @@ fn runs(prog: &str) -> bool {
         .is_ok_and(|s| s.success())
 }
 
+/// Ports handed out in this process: clusters of tests running in parallel never get the
+/// same port between its check and the server's bind.
+static HANDED_OUT: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+
 /// A port P on 127.0.0.1 that is free now, with P + 10000 (the cluster bus) free too.
 fn free_port(taken: &[u16]) -> u16 {
+    let mut handed = HANDED_OUT.lock().unwrap_or_else(|e| e.into_inner());
     for _ in 0..200 {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let p = l.local_addr().unwrap().port();
-        if p >= 55_000 || taken.contains(&p) {
+        if p >= 55_000
+            || taken.contains(&p)
+            || handed
+                .iter()
+                .any(|&h| h == p || h + 10_000 == p || p + 10_000 == h)
+        {
             continue;
         }
         if TcpListener::bind(("127.0.0.1", p + 10_000)).is_ok() {
+            handed.push(p);
             return p;
         }
     }
@@ -58,7 +70,8 @@ impl RedisCluster {
             if std::env::var_os("CI").is_some() {
                 panic!("{why}; CI is set, so this is a failure, not a skip");
             }
-            eprintln!("SKIPPED: {why}");
+            // Straight to the process's stderr: libtest hides eprintln! output of passing tests.
+            let _ = writeln!(std::io::stderr(), "SKIPPED (Redis Cluster test): {why}");
             return None;
         }
         let dir = tempfile::Builder::new()
