@@ -10,7 +10,7 @@
 //!
 //! # Buffers: a bounce region, not zero copy
 //!
-//! The device never sees an [`IoBuf`]. The engine maps one DMA region of `depth` slots of
+//! The device never sees an [`IoBuf`](super::IoBuf). The engine maps one DMA region of `depth` slots of
 //! `max_bytes` each when it is built; a write copies the buffer into its slot before the doorbell,
 //! a read copies the slot into the buffer after the completion is reaped (volatile copies through
 //! [`crate::pinned::VolatileView`]). So the DMA contract holds trivially: the `IoBuf` stays
