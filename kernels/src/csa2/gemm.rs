@@ -323,13 +323,14 @@ pub fn linear_threads(
                 *r = guarded(|| linear(x, &w[j0 * k..(j0 + cols) * k], m, k, cols, b));
             }
         }));
-        results.iter().try_for_each(|r| r.clone())?;
+        results.into_iter().collect::<Result<(), Error>>()?;
         for (j0, b) in &bufs {
             let cols = b.len() / m.max(1);
             for (i, row) in b.chunks_exact(cols.max(1)).enumerate() {
                 out[i * n + j0..i * n + j0 + cols].copy_from_slice(row);
             }
         }
+        return Ok(());
     }
     results.into_iter().collect()
 }

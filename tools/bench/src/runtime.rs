@@ -149,7 +149,7 @@ pub struct RuntimeReport {
     pub io_engine: String,
     /// CED vs exact.
     pub ced: Option<CedReport>,
-    /// Targets missed (TTFT ratio above 0.1).
+    /// Targets missed (a TTFT ratio above 0.1, a parallel efficiency below 0.7 at 2 threads).
     pub failures: Vec<String>,
 }
 
