@@ -10,6 +10,8 @@
 //!   benchmarks); the plain forms use [`detected_level`], chosen once per process.
 //! - [`peak`]: machine ceilings for benchmarks (memory-read stream, FMA and 8-bit integer
 //!   multiply-add peaks per level); the benchmarks themselves live in `kvstack-bench`.
+//! - [`linear`]: linear layers with weights in their stored formats (FP8, FP4, BF16, f32),
+//!   packed once at load, decoded in registers (spec §9).
 //! - [`par`]: the few parallel tasks of a decode step on rayon's pool, with a short wait.
 //! - [`csa2`]: the CSA2 attention building blocks of spec §4 at any width (GEMM, RMSNorm, RoPE
 //!   with YaRN, compressor, indexer, top-k, candidate pool, sparse attention, output
@@ -47,6 +49,7 @@ pub mod csa2;
 pub mod dot;
 mod error;
 mod level;
+pub mod linear;
 pub mod model;
 pub mod par;
 pub mod peak;

@@ -92,3 +92,86 @@ fn kernel_timings() {
         );
     }
 }
+
+/// Linear layers of the built-in model's shapes, weights as stored (FP8, FP4, BF16) and as
+/// f32, through `kvstack_kernels::linear` and through `matrixmultiply` (`csa2::gemm::linear`,
+/// what the model used before): decode rows (1 and 4, where the weight bytes bind) and a
+/// prefill chunk (256 rows, where the FMA rate binds), with ratios to the read-stream and FMA
+/// ceilings measured in the same run (one thread).
+#[test]
+#[ignore = "benchmark; run explicitly in release"]
+fn linear_timings() {
+    use kvstack_kernels::csa2::gemm::linear;
+    use kvstack_kernels::linear::PackedLinear;
+    use kvstack_kernels::peak::Peaks;
+
+    let p = Peaks::detected();
+    let iters = 2_000_000u64;
+    let fma_ns = min_ns(20, || {
+        black_box(p.fma(black_box(iters), 0.5));
+    });
+    let fma_peak = (p.fma_flops_per_iter() * iters) as f64 / (fma_ns * 1e-9);
+    let buf = vec![1u8; 512 << 20];
+    let read_ns = min_ns(5, || {
+        black_box(p.read_sum(black_box(&buf)));
+    });
+    let read_bw = buf.len() as f64 / read_ns * 1e9;
+    println!(
+        "ceilings ({}): FMA {:.1} GFLOP/s, read stream {:.1} GB/s",
+        p.level(),
+        fma_peak / 1e9,
+        read_bw / 1e9
+    );
+    // (n, k): wq_b, the indexer's wq_b, wkv, an expert's w1, the head.
+    for (name, n, k) in [
+        ("wq_b", 2048, 128),
+        ("indexer.wq_b", 4096, 128),
+        ("wkv", 512, 256),
+        ("expert w1", 128, 256),
+        ("head", 1024, 256),
+    ] {
+        let w = activations(n * k)
+            .iter()
+            .map(|v| v * 0.05)
+            .collect::<Vec<f32>>();
+        let codes: Vec<u8> = (0..n * k).map(|i| (i * 37 % 126) as u8).collect();
+        let s8 = vec![2f32.powi(-8); n.div_ceil(128) * k.div_ceil(128)];
+        let packed: Vec<u8> = (0..n * k / 2).map(|i| (i * 91 % 256) as u8).collect();
+        let s4 = vec![2f32.powi(-4); n * k.div_ceil(32)];
+        let bf: Vec<u16> = w.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
+        let ws = [
+            PackedLinear::from_f32(&w, n, k).unwrap(),
+            PackedLinear::from_bf16(&bf, n, k).unwrap(),
+            PackedLinear::from_fp8(&codes, n, k, &s8, n.div_ceil(128), k.div_ceil(128)).unwrap(),
+            PackedLinear::from_fp4(&packed, n, k, &s4, n, k.div_ceil(32)).unwrap(),
+        ];
+        for m in [1usize, 4, 256] {
+            let x = activations(m * k);
+            let mut out = vec![0f32; m * n];
+            let reps = if m == 256 { 20 } else { 400 };
+            let flops = (2 * m * n * k) as f64;
+            let mm = min_ns(reps, || {
+                linear(black_box(&x), black_box(&w), m, k, n, &mut out).unwrap();
+            });
+            let mut line = format!(
+                "{name} [{n}, {k}] m {m:>3}: matrixmultiply f32 {:>8.1} us",
+                mm / 1e3
+            );
+            for lin in &ws {
+                let ns = min_ns(reps, || {
+                    lin.forward(black_box(&x), m, &mut out).unwrap();
+                });
+                let bytes = lin.resident_bytes() as f64;
+                line += &format!(
+                    "; {} {:.1} us ({:.2}x, {:.2} of FMA peak, weights at {:.2} of read stream)",
+                    lin.format().name(),
+                    ns / 1e3,
+                    mm / ns,
+                    flops / (ns * 1e-9) / fma_peak,
+                    bytes / (ns * 1e-9) / read_bw
+                );
+            }
+            println!("{line}");
+        }
+    }
+}

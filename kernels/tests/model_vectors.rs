@@ -8,6 +8,7 @@
 
 use kvstack_kernels::csa2::gemm::linear;
 use kvstack_kernels::csa2::norm::rms_norm;
+use kvstack_kernels::linear::PackedLinear;
 use kvstack_kernels::model::{Expert, HcMix, HcShape, HcSite, MoeShape};
 use safetensors::SafeTensors;
 
@@ -190,10 +191,11 @@ fn hyper_connections_moe_and_head_match_the_reference_model() {
         let ffn_input = f32s(&v, &format!("{r}ffn_input"));
         assert_close(&format!("{r}ffn_input"), &normed, &ffn_input, 1e-4);
 
+        let gate = PackedLinear::from_f32(&f32s(&w, &format!("{p}ffn.gate.weight")), 8, H).unwrap();
         let routes = moe
             .route(
                 &ffn_input,
-                &f32s(&w, &format!("{p}ffn.gate.weight")),
+                &gate,
                 &f32s(&w, &format!("{p}ffn.gate.e_score_correction_bias")),
                 T,
             )
@@ -242,16 +244,30 @@ fn hyper_connections_moe_and_head_match_the_reference_model() {
                 }
             }
         }
-        let experts: Vec<Expert<'_>> = (0..e_n)
-            .map(|e| Expert {
-                w1: &w1[e],
-                w2: &w2[e],
-                w3: &w3[e],
-            })
+        let pack = |v: &[f32], n: usize, k: usize| PackedLinear::from_f32(v, n, k).unwrap();
+        let packed: Vec<[PackedLinear; 3]> = (0..e_n)
+            .map(|e| [pack(&w1[e], i, H), pack(&w2[e], H, i), pack(&w3[e], i, H)])
             .collect();
-        let sw1 = f32s(&w, &format!("{p}ffn.shared_experts.gate_proj.weight"));
-        let sw2 = f32s(&w, &format!("{p}ffn.shared_experts.down_proj.weight"));
-        let sw3 = f32s(&w, &format!("{p}ffn.shared_experts.up_proj.weight"));
+        let experts: Vec<Expert<'_>> = packed
+            .iter()
+            .map(|[w1, w2, w3]| Expert { w1, w2, w3 })
+            .collect();
+        let si = f32s(&w, &format!("{p}ffn.shared_experts.gate_proj.weight")).len() / H;
+        let sw1 = pack(
+            &f32s(&w, &format!("{p}ffn.shared_experts.gate_proj.weight")),
+            si,
+            H,
+        );
+        let sw2 = pack(
+            &f32s(&w, &format!("{p}ffn.shared_experts.down_proj.weight")),
+            H,
+            si,
+        );
+        let sw3 = pack(
+            &f32s(&w, &format!("{p}ffn.shared_experts.up_proj.weight")),
+            si,
+            H,
+        );
         let shared = Expert {
             w1: &sw1,
             w2: &sw2,

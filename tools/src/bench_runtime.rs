@@ -46,6 +46,10 @@ pub struct RuntimeArgs {
     /// Prefill mode of the engine runs.
     #[arg(long, value_enum, default_value = "ced")]
     prefill: ModeArg,
+    /// Skip the runs against the machine's ceilings (decode at batch 1 and 4, prefill, on one
+    /// thread, with the read-stream and FMA peaks measured in the same run).
+    #[arg(long)]
+    no_limits: bool,
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
@@ -70,6 +74,7 @@ pub fn run(a: &RuntimeArgs) -> Result<(), CliError> {
     o.decode_sessions = a.decode_sessions;
     o.decode_tokens = a.decode_tokens;
     o.ced_tokens = a.ced_tokens;
+    o.limits = !a.no_limits;
     o.prefill = match a.prefill {
         ModeArg::Exact => PrefillMode::Exact,
         ModeArg::Ced => PrefillMode::Ced,

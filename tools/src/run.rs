@@ -27,8 +27,8 @@ use kvstack_engine::{
     SessionId,
 };
 use kvstack_kernels::model::Sampling;
-use kvstack_model::PrefillMode;
 use kvstack_model::tokenizer::{ByteLevel, Tokenizer};
+use kvstack_model::{PrefillMode, WeightPrecision};
 use serde::Serialize;
 
 use crate::error::CliError;
@@ -94,6 +94,10 @@ pub struct RunArgs {
     /// Serve without the tiers (nothing persisted, no reuse across sessions or runs).
     #[arg(long)]
     no_tiers: bool,
+    /// How the model holds its linear weights: `stored` (FP8/FP4/BF16 as the checkpoint
+    /// stores them) or `f32` (the verification path: the same results, 4 bytes per weight).
+    #[arg(long, value_enum, default_value = "stored")]
+    weight_format: WeightFormatArg,
     /// Print the summary as one JSON object.
     #[arg(long)]
     json: bool,
@@ -111,6 +115,15 @@ pub struct RunArgs {
     /// its `model.safetensors.index.json`); a `tokenizer.json` beside them is its tokenizer.
     #[arg(long, requires = "config")]
     weights: Option<PathBuf>,
+}
+
+/// `--weight-format`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum WeightFormatArg {
+    /// As the checkpoint stores them.
+    Stored,
+    /// Dequantized to f32.
+    F32,
 }
 
 /// Deterministic workload tokens.
@@ -186,6 +199,10 @@ fn service_options(a: &RunArgs, sequences: usize) -> Result<ServiceOptions, CliE
         opts = opts.with_data_dir(&a.data_dir);
     }
     opts.threads = threads(a);
+    opts.weight_precision = match a.weight_format {
+        WeightFormatArg::Stored => WeightPrecision::Stored,
+        WeightFormatArg::F32 => WeightPrecision::F32,
+    };
     opts.engine = EngineOptions {
         prefill: match a.prefill {
             ModeArg::Exact => PrefillMode::Exact,
@@ -498,6 +515,16 @@ pub fn run(a: &RunArgs) -> Result<(), CliError> {
                     a.chunk
                 ),
             },
+            format!(
+                "weights: {:.1} MB resident ({}; as f32: {:.1} MB, {:.2}x)",
+                s.weight_bytes_resident as f64 / 1e6,
+                match a.weight_format {
+                    WeightFormatArg::Stored => "linear weights as stored: FP8, FP4, BF16",
+                    WeightFormatArg::F32 => "--weight-format f32",
+                },
+                s.weight_bytes_f32 as f64 / 1e6,
+                s.weight_bytes_f32 as f64 / s.weight_bytes_resident.max(1) as f64
+            ),
             format!(
                 "workload: {} sessions x {} turns (one tenant), shared system prompt {} tokens, tool outputs {}..{} tokens, user {} tokens, {} generated per turn; sessions {}",
                 a.sessions,

@@ -3,18 +3,30 @@
 //! shared expert.
 
 use crate::csa2::Error;
-use crate::csa2::gemm::linear;
+use crate::linear::PackedLinear;
 
-/// One SwiGLU expert's weights (`nn.Linear` layout): `w1` gate `[inter, hidden]`, `w3` up
-/// `[inter, hidden]`, `w2` down `[hidden, inter]`.
+/// One SwiGLU expert's weights (`nn.Linear` layout, in their stored formats): `w1` gate
+/// `[inter, hidden]`, `w3` up `[inter, hidden]`, `w2` down `[hidden, inter]`.
 #[derive(Clone, Copy, Debug)]
 pub struct Expert<'a> {
     /// Gate projection.
-    pub w1: &'a [f32],
+    pub w1: &'a PackedLinear,
     /// Down projection.
-    pub w2: &'a [f32],
+    pub w2: &'a PackedLinear,
     /// Up projection.
-    pub w3: &'a [f32],
+    pub w3: &'a PackedLinear,
+}
+
+/// Checks that `w` is `[n, k]`.
+fn check_shape(what: &'static str, w: &PackedLinear, n: usize, k: usize) -> Result<(), Error> {
+    if w.n() == n && w.k() == k {
+        Ok(())
+    } else {
+        Err(Error::Param {
+            what,
+            reason: format!("weight is [{}, {}], expected [{n}, {k}]", w.n(), w.k()),
+        })
+    }
 }
 
 /// Router and expert shapes.
@@ -54,7 +66,7 @@ impl MoeShape {
     pub fn route(
         &self,
         x: &[f32],
-        gate: &[f32],
+        gate: &PackedLinear,
         bias: &[f32],
         tokens: usize,
     ) -> Result<Vec<Route>, Error> {
@@ -71,8 +83,14 @@ impl MoeShape {
                 reason: format!("{} is not in 1..={}", self.top_k, self.experts),
             });
         }
+        check_shape(
+            "router gate [experts, hidden]",
+            gate,
+            self.experts,
+            self.hidden,
+        )?;
         let mut logits = vec![0f32; tokens * self.experts];
-        linear(x, gate, tokens, self.hidden, self.experts, &mut logits)?;
+        gate.forward(x, tokens, &mut logits)?;
         let mut routes = Vec::with_capacity(tokens);
         let mut order: Vec<usize> = (0..self.experts).collect();
         for l in logits.chunks_exact(self.experts) {
@@ -101,18 +119,26 @@ impl MoeShape {
         scale: &[f32],
         out: &mut [f32],
     ) -> Result<(), Error> {
-        let (h, i) = (self.hidden, self.inter);
+        let (h, i) = (e.w2.n(), e.w2.k());
+        if h != self.hidden {
+            return Err(Error::Param {
+                what: "expert w2 [hidden, inter]",
+                reason: format!("{h} outputs, expected hidden {}", self.hidden),
+            });
+        }
+        check_shape("expert w1 [inter, hidden]", e.w1, i, h)?;
+        check_shape("expert w3 [inter, hidden]", e.w3, i, h)?;
         let mut gate = vec![0f32; tokens * i];
         let mut up = vec![0f32; tokens * i];
-        linear(x, e.w1, tokens, h, i, &mut gate)?;
-        linear(x, e.w3, tokens, h, i, &mut up)?;
+        e.w1.forward(x, tokens, &mut gate)?;
+        e.w3.forward(x, tokens, &mut up)?;
         let lim = self.swiglu_limit;
         for (g, u) in gate.iter_mut().zip(&up) {
             let a = g.min(lim);
             *g = a / (1.0 + (-a).exp()) * u.clamp(-lim, lim);
         }
         let mut y = vec![0f32; tokens * h];
-        linear(&gate, e.w2, tokens, i, h, &mut y)?;
+        e.w2.forward(&gate, tokens, &mut y)?;
         if scale.len() != tokens || out.len() != tokens * h {
             return Err(Error::LengthMismatch {
                 what: "expert out [tokens, hidden]",
@@ -196,7 +222,7 @@ mod tests {
             swiglu_limit: 10.0,
         };
         // x = 1, so logits equal the gate weights.
-        let gate = [2.0, 1.0, 0.0];
+        let gate = PackedLinear::from_f32(&[2.0, 1.0, 0.0], 3, 1).unwrap();
         let bias = [0.0, 0.0, 5.0];
         let r = shape.route(&[1.0], &gate, &bias, 1).unwrap();
         assert_eq!(r[0].experts, vec![2, 0]);
@@ -215,10 +241,12 @@ mod tests {
             routed_scale: 1.0,
             swiglu_limit: 10.0,
         };
+        let lin = |v: f32| PackedLinear::from_f32(&[v], 1, 1).unwrap();
+        let (w1, w2, w3) = (lin(100.0), lin(1.0), lin(-100.0));
         let e = Expert {
-            w1: &[100.0],
-            w2: &[1.0],
-            w3: &[-100.0],
+            w1: &w1,
+            w2: &w2,
+            w3: &w3,
         };
         let mut out = [0.0];
         shape.expert_add(&e, &[1.0], 1, &[1.0], &mut out).unwrap();

@@ -10,15 +10,18 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Instant;
 
+use kvstack_kernels::linear::work_counters;
 use kvstack_kernels::model::{Sampling, argmax};
+use kvstack_kernels::peak::Peaks;
 use serde::Serialize;
 
 use kvstack_cache::CacheOptions;
 use kvstack_engine::{Completion, Engine, EngineOptions, Event, RequestSpec, ReuseKind};
 use kvstack_model::init::random_model;
 use kvstack_model::verify::row_errors;
-use kvstack_model::{Model, PrefillMode};
+use kvstack_model::{BatchItem, Logits, Model, PrefillMode, WeightPrecision};
 use kvstack_spec::ModelConfig;
 use kvstack_tiers::{StoreLocation, StoreOptions, SystemClock, TierOptions, Tiers};
 
@@ -49,6 +52,8 @@ pub struct RuntimeBenchOptions {
     pub chunk: usize,
     /// Seed of the weights and tokens.
     pub seed: u64,
+    /// Measure decode and prefill against the machine's ceilings ([`LimitsReport`]).
+    pub limits: bool,
 }
 
 impl RuntimeBenchOptions {
@@ -66,6 +71,7 @@ impl RuntimeBenchOptions {
             prefill: PrefillMode::Ced,
             chunk: 256,
             seed: 4101,
+            limits: true,
         }
     }
 }
@@ -149,6 +155,9 @@ pub struct RuntimeReport {
     pub io_engine: String,
     /// CED vs exact.
     pub ced: Option<CedReport>,
+    /// Decode and prefill against the machine's ceilings, one thread (absent with
+    /// `limits = false`).
+    pub limits: Option<LimitsReport>,
     /// Targets missed (a TTFT ratio above 0.1, a parallel efficiency below 0.7 at 2 threads).
     pub failures: Vec<String>,
 }
@@ -159,6 +168,68 @@ impl RuntimeReport {
         self.failures.is_empty()
     }
 }
+
+/// Decode of the built-in model at one batch size against its binding limit (one thread).
+#[derive(Clone, Debug, Serialize)]
+pub struct DecodeLimit {
+    /// Sequences decoding together.
+    pub batch: usize,
+    /// Decoded tokens per second (all sequences).
+    pub tokens_per_s: f64,
+    /// Weight bytes the linear products read per step (each product's weights once).
+    pub weight_bytes_per_step: f64,
+    /// FLOPs of the linear products per step (2 per multiply-add).
+    pub linear_flops_per_step: f64,
+    /// Tokens/s if the step took only the binding time: its weight bytes at the read stream,
+    /// or its linear FLOPs at the FMA peak, whichever is longer.
+    pub limit_tokens_per_s: f64,
+    /// Which one binds: `memory` or `fma`.
+    pub bound: &'static str,
+    /// `tokens_per_s / limit_tokens_per_s`.
+    pub ratio: f64,
+}
+
+/// Prefill of one prompt against the FMA peak (one thread).
+#[derive(Clone, Debug, Serialize)]
+pub struct PrefillLimit {
+    /// Prompt tokens.
+    pub tokens: usize,
+    /// Prefill tokens per second.
+    pub tokens_per_s: f64,
+    /// Linear FLOPs per token.
+    pub linear_flops_per_token: f64,
+    /// Linear FLOPs per second over the FMA peak.
+    pub ratio: f64,
+}
+
+/// The runtime against the machine's ceilings, all on one thread and in the same run.
+///
+/// Only the linear products' work is counted (`kvstack_kernels::linear::work_counters`):
+/// attention, norms and HC also read cache bytes and spend FLOPs, so the true limits are
+/// lower and the ratios here are lower bounds of the true ones.
+#[derive(Clone, Debug, Serialize)]
+pub struct LimitsReport {
+    /// Read stream of one thread over 512 MiB, GB/s (best of 3).
+    pub read_gb_s: f64,
+    /// FMA peak of one thread, GFLOP/s (best of 20).
+    pub fma_gflop_s: f64,
+    /// Weight bytes resident with the weights as stored.
+    pub weights_resident_bytes: u64,
+    /// The same weights as f32.
+    pub weights_f32_bytes: u64,
+    /// Decode at batch 1 and 4.
+    pub decode: Vec<DecodeLimit>,
+    /// Decode at batch 1 with f32 weights (`--weight-format f32`): same bits, more bytes.
+    pub decode_f32_weights_tokens_per_s: f64,
+    /// Prefill of the throughput prompt (and of the long prompt's scratch run when it ran).
+    pub prefill: Vec<PrefillLimit>,
+}
+
+/// Decode target: tokens/s over the binding limit.
+pub const DECODE_LIMIT_TARGET: f64 = 0.5;
+
+/// Prefill target: linear FLOPs/s over the FMA peak.
+pub const PREFILL_PEAK_TARGET: f64 = 0.4;
 
 /// The TTFT target: cached / scratch.
 pub const TTFT_TARGET: f64 = 0.1;
@@ -216,6 +287,44 @@ impl std::fmt::Display for RuntimeReport {
                 "CED vs exact prefill, {}-token prompt: worst next-token logit error {:.3e} (relative to the largest logit) over {} steps, top-1 agreement {}/{}",
                 c.prompt_tokens, c.worst_logit_error, c.steps, c.top1_agreement, c.steps
             )?;
+        }
+        if let Some(l) = &self.limits {
+            writeln!(
+                f,
+                "ceilings (1 thread, this run): read stream {:.1} GB/s, FMA {:.1} GFLOP/s; weights {:.1} MB resident as stored (f32: {:.1} MB)",
+                l.read_gb_s,
+                l.fma_gflop_s,
+                l.weights_resident_bytes as f64 / 1e6,
+                l.weights_f32_bytes as f64 / 1e6
+            )?;
+            for d in &l.decode {
+                writeln!(
+                    f,
+                    "  decode, batch {}: {:.1} tokens/s; per step {:.1} MB of weights, {:.2} GFLOP of linears; limit ({} bound) {:.1} tokens/s: {:.2} of it (target >= {DECODE_LIMIT_TARGET}; a lower bound: attention, norms and cache bytes are not counted)",
+                    d.batch,
+                    d.tokens_per_s,
+                    d.weight_bytes_per_step / 1e6,
+                    d.linear_flops_per_step / 1e9,
+                    d.bound,
+                    d.limit_tokens_per_s,
+                    d.ratio
+                )?;
+            }
+            writeln!(
+                f,
+                "  decode, batch 1, f32 weights: {:.1} tokens/s",
+                l.decode_f32_weights_tokens_per_s
+            )?;
+            for p in &l.prefill {
+                writeln!(
+                    f,
+                    "  prefill, {} tokens: {:.1} tokens/s, {:.1} MFLOP of linears per token: {:.2} of the FMA peak (target >= {PREFILL_PEAK_TARGET}; linears only)",
+                    p.tokens,
+                    p.tokens_per_s,
+                    p.linear_flops_per_token / 1e6,
+                    p.ratio
+                )?;
+            }
         }
         if self.failures.is_empty() {
             writeln!(f, "all targets met")
@@ -370,7 +479,7 @@ pub fn run_runtime_bench(
     let result = ttft_runs(o, &cfg, &model, &full, cached, &dir, &mut progress);
     let _ = kvstack_tiers::store::remove_directory_store(&dir);
     let _ = std::fs::remove_dir(&dir);
-    let (scratch, runs, io_engine) = result?;
+    let (scratch, runs, io_engine, scratch_macs) = result?;
 
     let ced = if o.ced_tokens > 0 {
         progress(&format!("CED vs exact prefill of {} tokens", o.ced_tokens));
@@ -378,6 +487,20 @@ pub fn run_runtime_bench(
             &model,
             &tokens(o.seed, 40, o.ced_tokens, vocab),
         )?)
+    } else {
+        None
+    };
+    let limits = if o.limits {
+        progress("decode and prefill against the machine's ceilings (1 thread)");
+        let mut l = limits(o, &cfg)?;
+        let secs = scratch.ttft.as_secs_f64().max(1e-9);
+        l.prefill.push(PrefillLimit {
+            tokens: n,
+            tokens_per_s: n as f64 / secs,
+            linear_flops_per_token: 2.0 * scratch_macs as f64 / n as f64,
+            ratio: 2.0 * scratch_macs as f64 / secs / (l.fma_gflop_s * 1e9 * threads as f64),
+        });
+        Some(l)
     } else {
         None
     };
@@ -404,6 +527,20 @@ pub fn run_runtime_bench(
             }
         }
     }
+    if let Some(l) = &limits {
+        for d in l.decode.iter().filter(|d| d.ratio < DECODE_LIMIT_TARGET) {
+            failures.push(format!(
+                "decode at batch {}: {:.2} of its binding limit (target >= {DECODE_LIMIT_TARGET})",
+                d.batch, d.ratio
+            ));
+        }
+        for p in l.prefill.iter().filter(|p| p.ratio < PREFILL_PEAK_TARGET) {
+            failures.push(format!(
+                "prefill of {} tokens: {:.2} of the FMA peak (target >= {PREFILL_PEAK_TARGET})",
+                p.tokens, p.ratio
+            ));
+        }
+    }
     Ok(RuntimeReport {
         model: "built-in kvstack-tiny-v4.1 (40 layers, V4.1-Flash CSA2 plan, head dim 512, index 32 x 128)".into(),
         prefill_mode: format!("{:?}", o.prefill),
@@ -415,11 +552,124 @@ pub fn run_runtime_bench(
         cached: runs,
         io_engine,
         ced,
+        limits,
         failures,
     })
 }
 
-type TtftResult = (Completion, Vec<TtftRun>, String);
+/// Seconds of the fastest of `n` runs of `f`.
+fn best_of(n: usize, mut f: impl FnMut()) -> f64 {
+    (0..n.max(1))
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64()
+        })
+        .fold(f64::INFINITY, f64::min)
+        .max(1e-12)
+}
+
+/// Decode of `batch` sequences (128-token prompts) for `o.decode_tokens` steps on one thread:
+/// (tokens/s, weight bytes per step, linear FLOPs per step).
+fn decode_run(model: &Model, o: &RuntimeBenchOptions, batch: usize) -> Result<(f64, f64, f64)> {
+    let vocab = model.dims().vocab;
+    let mut stores: Vec<_> = (0..batch).map(|_| model.new_store(None)).collect();
+    let mut last = Vec::with_capacity(batch);
+    for (i, st) in stores.iter_mut().enumerate() {
+        let prompt = tokens(o.seed, 50 + i as u64, 128, vocab);
+        let l = model.prefill(st, &prompt, PrefillMode::Exact, o.chunk)?;
+        last.push(argmax(&l).unwrap_or(0) as u32);
+    }
+    let steps = o.decode_tokens.max(1);
+    let (m0, b0) = work_counters();
+    let t = Instant::now();
+    for _ in 0..steps {
+        let toks: Vec<[u32; 1]> = last.iter().map(|&t| [t]).collect();
+        let mut items: Vec<BatchItem<'_>> = stores
+            .iter_mut()
+            .zip(&toks)
+            .map(|(s, t)| BatchItem {
+                store: s,
+                tokens: t,
+                logits: Logits::Last,
+                decoder_window_start: 0,
+            })
+            .collect();
+        let outs = model.step_batch(&mut items)?;
+        last = outs.iter().map(|l| argmax(l).unwrap_or(0) as u32).collect();
+    }
+    let secs = t.elapsed().as_secs_f64().max(1e-9);
+    let (m1, b1) = work_counters();
+    let s = steps as f64;
+    Ok((
+        (steps * batch) as f64 / secs,
+        (b1 - b0) as f64 / s,
+        2.0 * (m1 - m0) as f64 / s,
+    ))
+}
+
+/// The ceilings, then decode at batch 1 and 4 and prefill of `o.prefill_tokens`, one thread.
+fn limits(o: &RuntimeBenchOptions, cfg: &ModelConfig) -> Result<LimitsReport> {
+    let peaks = Peaks::detected();
+    let buf = vec![1u8; 512 << 20];
+    let read_bw = buf.len() as f64
+        / best_of(3, || {
+            std::hint::black_box(peaks.read_sum(std::hint::black_box(&buf)));
+        });
+    drop(buf);
+    let iters = 2_000_000u64;
+    let fma_peak = (peaks.fma_flops_per_iter() * iters) as f64
+        / best_of(20, || {
+            std::hint::black_box(peaks.fma(std::hint::black_box(iters), 0.5));
+        });
+    let mut model = random_model(cfg, o.seed)?;
+    model.set_threads(1);
+    let wb = model.weight_bytes();
+    let mut decode = Vec::new();
+    for batch in [1, 4] {
+        let (tps, bytes, flops) = decode_run(&model, o, batch)?;
+        let (t_mem, t_fma) = (bytes / read_bw, flops / fma_peak);
+        let limit = batch as f64 / t_mem.max(t_fma).max(1e-12);
+        decode.push(DecodeLimit {
+            batch,
+            tokens_per_s: tps,
+            weight_bytes_per_step: bytes,
+            linear_flops_per_step: flops,
+            limit_tokens_per_s: limit,
+            bound: if t_mem >= t_fma { "memory" } else { "fma" },
+            ratio: tps / limit,
+        });
+    }
+    let mut f32_model = kvstack_model::init::random_model_with(cfg, o.seed, WeightPrecision::F32)?;
+    f32_model.set_threads(1);
+    let (f32_tps, _, _) = decode_run(&f32_model, o, 1)?;
+    drop(f32_model);
+    let prompt = tokens(o.seed, 60, o.prefill_tokens.max(1), model.dims().vocab);
+    let mut st = model.new_store(None);
+    let (m0, _) = work_counters();
+    let t = Instant::now();
+    model.prefill(&mut st, &prompt, PrefillMode::Exact, o.chunk)?;
+    let secs = t.elapsed().as_secs_f64().max(1e-9);
+    let flops = 2.0 * (work_counters().0 - m0) as f64;
+    Ok(LimitsReport {
+        read_gb_s: read_bw / 1e9,
+        fma_gflop_s: fma_peak / 1e9,
+        weights_resident_bytes: wb.resident,
+        weights_f32_bytes: wb.f32,
+        decode,
+        decode_f32_weights_tokens_per_s: f32_tps,
+        prefill: vec![PrefillLimit {
+            tokens: prompt.len(),
+            tokens_per_s: prompt.len() as f64 / secs,
+            linear_flops_per_token: flops / prompt.len() as f64,
+            ratio: flops / secs / fma_peak,
+        }],
+    })
+}
+
+/// The scratch run, the cached runs, the I/O engine, and the scratch run's linear
+/// multiply-adds.
+type TtftResult = (Completion, Vec<TtftRun>, String, u64);
 
 fn ttft_runs(
     o: &RuntimeBenchOptions,
@@ -433,7 +683,9 @@ fn ttft_runs(
     let n = full.len();
     progress(&format!("{n}-token prompt computed from scratch"));
     let mut e = Engine::new(cfg, model.clone(), None, engine_opts(o, false))?;
+    let (macs0, _) = work_counters();
     let scratch = one(&mut e, full.to_vec(), 1)?;
+    let scratch_macs = work_counters().0 - macs0;
     drop(e);
     let want = scratch.first_logits.clone().unwrap_or_default();
 
@@ -482,7 +734,7 @@ fn ttft_runs(
     if let Some(t) = tiers {
         t.close()?;
     }
-    Ok((scratch, runs, io_engine))
+    Ok((scratch, runs, io_engine, scratch_macs))
 }
 
 fn ced_vs_exact(model: &Model, prompt: &[u32]) -> Result<CedReport> {

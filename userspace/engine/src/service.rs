@@ -16,7 +16,8 @@ use std::time::{Duration, Instant};
 
 use kvstack_model::Checkpoint;
 use kvstack_model::Model;
-use kvstack_model::init::random_model;
+use kvstack_model::WeightPrecision;
+use kvstack_model::init::random_model_with;
 use kvstack_spec::ModelConfig;
 use kvstack_tiers::{Clock, StoreLocation, StoreOptions, SystemClock, TierOptions, Tiers};
 use serde::Serialize;
@@ -70,6 +71,9 @@ pub struct ServiceOptions {
     pub threads: usize,
     /// Time for the tiers' retention and TTL rules.
     pub clock: Arc<dyn Clock>,
+    /// How the model holds its linear weights: as stored (the default) or as f32 (the
+    /// verification path; the same results, 4 bytes per weight).
+    pub weight_precision: WeightPrecision,
 }
 
 impl std::fmt::Debug for ServiceOptions {
@@ -92,6 +96,7 @@ impl ServiceOptions {
             engine: EngineOptions::default(),
             threads: 1,
             clock: Arc::new(SystemClock),
+            weight_precision: WeightPrecision::Stored,
         }
     }
 
@@ -153,7 +158,7 @@ impl Service {
             }
             None => None,
         };
-        let model = opened.build(&config)?;
+        let model = opened.build(&config, opts.weight_precision)?;
         let load_time = t0.elapsed();
         let units_at_start = tiers.as_ref().map_or(0, |t| t.store().stats().units);
         let recovery_seconds = tiers.as_ref().map_or(0.0, |t| t.store().recovery().seconds);
@@ -303,10 +308,10 @@ impl Opened {
     }
 
     /// The model: generated, or decoded from the weights file.
-    fn build(&self, config: &ModelConfig) -> Result<Model> {
+    fn build(&self, config: &ModelConfig, precision: WeightPrecision) -> Result<Model> {
         match self {
-            Opened::Builtin(seed) => Ok(random_model(config, *seed)?),
-            Opened::Checkpoint(ck) => Ok(Model::load_from(config, ck.source())?),
+            Opened::Builtin(seed) => Ok(random_model_with(config, *seed, precision)?),
+            Opened::Checkpoint(ck) => Ok(Model::load_with(config, ck.source(), precision)?),
         }
     }
 }
@@ -361,6 +366,10 @@ pub struct ServiceReport {
     pub persist_failures: u64,
     /// Mean time to first token by kind of reuse.
     pub ttft_ms: Vec<TtftLine>,
+    /// Bytes the model's weights hold in memory (linear weights in their stored formats).
+    pub weight_bytes_resident: u64,
+    /// Bytes the same weights would hold as f32.
+    pub weight_bytes_f32: u64,
 }
 
 /// Mean time to first token of one kind of reuse.
@@ -384,6 +393,7 @@ impl ServiceReport {
         let usage = engine.cache().usage();
         let tiers = engine.tiers();
         let store = tiers.map(|t| t.store().stats());
+        let wb = engine.model().weight_bytes();
         ServiceReport {
             requests: st.requests,
             failed: st.failed,
@@ -420,6 +430,8 @@ impl ServiceReport {
                     })
                 })
                 .collect(),
+            weight_bytes_resident: wb.resident,
+            weight_bytes_f32: wb.f32,
         }
     }
 }

@@ -20,8 +20,8 @@
 
 use std::ops::Range;
 
-use kvstack_kernels::csa2::gemm::linear_threads;
 use kvstack_kernels::csa2::norm::rms_norm;
+use kvstack_kernels::linear::PackedLinear;
 use kvstack_kernels::model::{Expert, HcMix, HcShape, HcSite, MoeShape, Route};
 
 use crate::attention::{
@@ -35,6 +35,7 @@ use kvstack_spec::plan::{LayerMode, LayerPlan};
 use crate::Error;
 use crate::checkpoint::{BlockWeights, ExpertWeights, HcWeights, ModelWeights, TensorSource};
 use crate::dims::ModelDims;
+use crate::storage::WeightPrecision;
 use crate::threads;
 
 /// Expert work (FLOP) below which an extra MoE thread does not pay for its spawn.
@@ -174,13 +175,25 @@ pub struct ModelTrace {
     pub final_hidden: Vec<f32>,
 }
 
+/// What a model's weights hold in memory ([`Model::weight_bytes`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct WeightBytes {
+    /// Bytes resident: packed codes, expanded scales, pad columns, f32 vectors.
+    pub resident: u64,
+    /// Bytes the same weights take as f32 (the verification path).
+    pub f32: u64,
+    /// Parameters per storage format (`fp8-e4m3`, `fp4-e2m1`, `bf16`, `f32`, and the f32
+    /// vectors: embedding, norms, HC).
+    pub formats: std::collections::BTreeMap<&'static str, u64>,
+}
+
 /// A loaded V4.1 model.
 #[derive(Clone, Debug)]
 pub struct Model {
     dims: ModelDims,
     attn: Csa2Attention,
     embed: Vec<f32>,
-    head: Vec<f32>,
+    head: PackedLinear,
     norm: Vec<f32>,
     blocks: Vec<BlockWeights>,
     threads: usize,
@@ -253,18 +266,89 @@ impl Model {
     }
 
     /// Loads a model: config and a memory-mapped safetensors checkpoint (either naming, any
-    /// released storage type; dequantized to f32 here).
+    /// released storage type; linear weights kept as stored, the rest dequantized to f32).
     pub fn load(cfg: &ModelConfig, file: &TensorFile) -> Result<Model, Error> {
         Model::load_from(cfg, file)
     }
 
-    /// [`Model::load`] from any [`TensorSource`] (a file, or [`super::init::Generator`]).
+    /// [`Model::load`] from any [`TensorSource`] (a file, or [`super::init::Generator`]),
+    /// linear weights as stored.
     pub fn load_from(cfg: &ModelConfig, src: &dyn TensorSource) -> Result<Model, Error> {
+        Model::load_with(cfg, src, WeightPrecision::Stored)
+    }
+
+    /// [`Model::load_from`] with linear weights at `precision` (f32 for verification; the
+    /// two give the same bits, see `kvstack_kernels::linear`).
+    pub fn load_with(
+        cfg: &ModelConfig,
+        src: &dyn TensorSource,
+        precision: WeightPrecision,
+    ) -> Result<Model, Error> {
         let plan = LayerPlan::from_config(cfg).map_err(Error::AttentionConfig)?;
         let ad = AttentionDims::from_config(cfg, &plan)?;
         let md = ModelDims::from_config(cfg)?;
-        let w = ModelWeights::load_from(src, &md, &ad, &plan)?;
+        let w = ModelWeights::load_with(src, &md, &ad, &plan, precision)?;
         Model::new(cfg, w)
+    }
+
+    /// The bytes the weights hold in memory and what they would hold as f32.
+    pub fn weight_bytes(&self) -> WeightBytes {
+        let mut b = WeightBytes::default();
+        let mut lin = |w: &PackedLinear| {
+            b.resident += w.resident_bytes() as u64;
+            b.f32 += (w.n() * w.k() * 4) as u64;
+            *b.formats.entry(w.format().name()).or_insert(0) += (w.n() * w.k()) as u64;
+        };
+        for l in &self.attn.weights().layers {
+            for w in [&l.wq_a, &l.wq_b, &l.wkv, &l.wo_b]
+                .into_iter()
+                .chain(&l.wo_a)
+            {
+                lin(w);
+            }
+            if let Some(c) = &l.compressor {
+                lin(&c.wkv);
+                if let Some(g) = &c.wgate {
+                    lin(g);
+                }
+            }
+            if let Some(i) = &l.indexer {
+                lin(&i.wq_b);
+                lin(&i.weights_proj);
+                if let Some(k) = &i.keys {
+                    lin(&k.wk);
+                }
+            }
+        }
+        for blk in &self.blocks {
+            lin(&blk.gate);
+            for e in blk.experts.iter().chain(std::iter::once(&blk.shared)) {
+                lin(&e.w1);
+                lin(&e.w2);
+                lin(&e.w3);
+            }
+        }
+        lin(&self.head);
+        let mut vecs = self.embed.len() + self.norm.len();
+        for l in &self.attn.weights().layers {
+            vecs += l.q_norm.len() + l.kv_norm.len() + l.sinks.len();
+            vecs += l.compressor.as_ref().map_or(0, |c| c.norm.len());
+            vecs += l
+                .indexer
+                .as_ref()
+                .and_then(|i| i.keys.as_ref())
+                .map_or(0, |k| k.k_norm.len());
+        }
+        for blk in &self.blocks {
+            vecs += blk.attn_norm.len() + blk.ffn_norm.len() + blk.gate_bias.len();
+            for hc in [&blk.attn_hc, &blk.ffn_hc] {
+                vecs += hc.proj.len() + hc.base.len() + hc.scale.len();
+            }
+        }
+        b.resident += vecs as u64 * 4;
+        b.f32 += vecs as u64 * 4;
+        *b.formats.entry("f32 (embedding, norms, HC)").or_insert(0) += vecs as u64;
+        b
     }
 
     /// [`Model::load`] from paths; `weights` is one safetensors file or a sharded checkpoint
@@ -729,16 +813,14 @@ impl Model {
             };
             let mut out = vec![0f32; rows.len() * v];
             if !rows.is_empty() {
-                linear_threads(
-                    &hidden[rows.start * h..rows.end * h],
-                    &self.head,
-                    rows.len(),
-                    h,
-                    v,
-                    &mut out,
-                    self.threads,
-                )
-                .map_err(Error::model_kernel("lm head"))?;
+                self.head
+                    .forward_threads(
+                        &hidden[rows.start * h..rows.end * h],
+                        rows.len(),
+                        &mut out,
+                        self.threads,
+                    )
+                    .map_err(Error::model_kernel("lm head"))?;
             }
             outs.push(out);
         }
@@ -815,7 +897,8 @@ impl Model {
         }
         let rows = hidden.len() / h;
         let mut out = vec![0f32; rows * v];
-        linear_threads(hidden, &self.head, rows, h, v, &mut out, self.threads)
+        self.head
+            .forward_threads(hidden, rows, &mut out, self.threads)
             .map_err(Error::model_kernel("lm head"))?;
         Ok(out)
     }

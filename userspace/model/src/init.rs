@@ -27,7 +27,7 @@ use kvstack_firmware_interface::element::ue8m0_to_f32;
 use safetensors::tensor::TensorView;
 
 use crate::attention::AttentionDims;
-use crate::weights::Dtype;
+use crate::weights::{Dtype, RawTensor};
 use kvstack_spec::config::ModelConfig;
 use kvstack_spec::plan::LayerPlan;
 
@@ -35,7 +35,10 @@ use crate::Error;
 use crate::checkpoint::{ModelWeights, TensorSource};
 use crate::dims::ModelDims;
 use crate::forward::Model;
-use crate::storage::{dequantize_fp4, dequantize_fp8, encode_fp4, encode_fp8, f32_from_bf16};
+use crate::storage::{
+    StoredMatrix, WeightPrecision, dequantize_fp4, dequantize_fp8, encode_fp4, encode_fp8,
+    f32_from_bf16, stored_matrix,
+};
 
 /// FP8 block shape of the release.
 const FP8_BLOCK: usize = 128;
@@ -254,6 +257,27 @@ impl TensorSource for Generator {
         Ok(self.stored(name, shape)?.1)
     }
 
+    fn load_stored(&self, name: &str, shape: &[usize]) -> Result<StoredMatrix, Error> {
+        self.requested
+            .borrow_mut()
+            .push((name.to_owned(), shape.to_vec()));
+        let (tensors, _) = self.stored(name, shape)?;
+        fn raw(t: &(String, Dtype, Vec<usize>, Vec<u8>)) -> RawTensor<'_> {
+            RawTensor {
+                dtype: t.1,
+                shape: &t.2,
+                data: &t.3,
+            }
+        }
+        stored_matrix(
+            &self.describe(),
+            name,
+            tensors.first().map(raw),
+            tensors.get(1).map(|t| (t.0.clone(), raw(t))),
+            shape,
+        )
+    }
+
     fn describe(&self) -> std::path::PathBuf {
         format!("<generated, seed {}>", self.seed).into()
     }
@@ -266,11 +290,21 @@ fn parts(cfg: &ModelConfig) -> Result<(ModelDims, AttentionDims, LayerPlan), Err
     Ok((md, ad, plan))
 }
 
-/// The model of `cfg` with weights generated from `seed`, in memory.
+/// The model of `cfg` with weights generated from `seed`, in memory (linear weights in their
+/// stored formats).
 pub fn random_model(cfg: &ModelConfig, seed: u64) -> Result<Model, Error> {
+    random_model_with(cfg, seed, WeightPrecision::Stored)
+}
+
+/// [`random_model`] with linear weights at `precision`.
+pub fn random_model_with(
+    cfg: &ModelConfig,
+    seed: u64,
+    precision: WeightPrecision,
+) -> Result<Model, Error> {
     let (md, ad, plan) = parts(cfg)?;
     let g = Generator::new(seed, ad.index_head_dim);
-    let w = ModelWeights::load_from(&g, &md, &ad, &plan)?;
+    let w = ModelWeights::load_with(&g, &md, &ad, &plan, precision)?;
     Model::new(cfg, w)
 }
 

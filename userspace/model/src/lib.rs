@@ -43,9 +43,10 @@ pub use dims::ModelDims;
 pub use error::{Error, Result};
 pub use forward::{
     BatchItem, BlockTrace, ForcedInput, Logits, Model, ModelStore, ModelTrace, PrefillMode,
-    PrefillStep,
+    PrefillStep, WeightBytes,
 };
 pub use shards::{Checkpoint, Sharded};
 pub use storage::{
-    dequantize_fp4, dequantize_fp8, encode_fp4, encode_fp8, f32_from_bf16, load_f32,
+    StoredMatrix, WeightPrecision, dequantize_fp4, dequantize_fp8, encode_fp4, encode_fp8,
+    f32_from_bf16, load_f32, load_stored, stored_matrix,
 };

@@ -17,7 +17,7 @@ use serde::Deserialize;
 
 use crate::Error;
 use crate::checkpoint::TensorSource;
-use crate::storage::load_f32;
+use crate::storage::{StoredMatrix, load_f32, load_stored};
 use crate::weights::TensorFile;
 
 /// The index's file name in a sharded checkpoint's directory.
@@ -218,6 +218,23 @@ impl TensorSource for Sharded {
     }
 
     fn load(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, Error> {
+        let file = self.file_of(name)?;
+        load_f32(&file, name, shape)
+    }
+
+    fn load_stored(&self, name: &str, shape: &[usize]) -> Result<StoredMatrix, Error> {
+        let file = self.file_of(name)?;
+        load_stored(&file, name, shape)
+    }
+
+    fn describe(&self) -> PathBuf {
+        self.index.clone()
+    }
+}
+
+impl Sharded {
+    /// The shard holding `name` (and its scales), checked against the index.
+    fn file_of(&self, name: &str) -> Result<Arc<TensorFile>, Error> {
         let Some((i, file)) = self.shard_of(name)? else {
             return Err(Error::Storage {
                 path: self.index.clone(),
@@ -253,11 +270,7 @@ impl TensorSource for Sharded {
                 });
             }
         }
-        load_f32(&file, name, shape)
-    }
-
-    fn describe(&self) -> PathBuf {
-        self.index.clone()
+        Ok(file)
     }
 }
 

@@ -20,6 +20,10 @@ use crate::weights::{
     Dtype, DtypeMismatch, MissingTensor, RawTensor, Shape, ShapeMismatch, TensorFile,
 };
 
+use std::path::Path;
+
+use kvstack_kernels::linear::PackedLinear;
+
 use crate::Error;
 
 /// `f32` from a BF16 bit pattern.
@@ -185,12 +189,220 @@ fn scale_tensor<'f>(file: &'f TensorFile, name: &str) -> Option<(String, RawTens
         .find_map(|n| file.raw_tensor(&n).map(|t| (n, t)))
 }
 
-/// Loads tensor `name` of the expected (logical) `shape` as f32 from any storage type of the
-/// module table. Errors name the tensor (missing, shape, dtype, scale grid).
-pub fn load_f32(file: &TensorFile, name: &str, shape: &[usize]) -> Result<Vec<f32>, Error> {
-    let Some(t) = file.raw_tensor(name) else {
+/// A tensor as the checkpoint stores it, validated against its logical shape: what the loader
+/// packs for the kernels ([`StoredMatrix::pack`]) or dequantizes ([`StoredMatrix::to_f32`]).
+#[derive(Clone, Debug, PartialEq)]
+pub enum StoredMatrix {
+    /// f32 values (any shape; `rows` x `cols` for matrices, `1` x len otherwise).
+    F32 {
+        /// The values, row-major.
+        values: Vec<f32>,
+        /// Rows.
+        rows: usize,
+        /// Columns.
+        cols: usize,
+    },
+    /// BF16 bit patterns.
+    Bf16 {
+        /// The bit patterns, row-major.
+        bits: Vec<u16>,
+        /// Rows.
+        rows: usize,
+        /// Columns.
+        cols: usize,
+    },
+    /// FP8 E4M3 codes with block scales.
+    Fp8 {
+        /// Codes `[rows, cols]`.
+        codes: Vec<u8>,
+        /// Rows.
+        rows: usize,
+        /// Columns.
+        cols: usize,
+        /// Scales `[srows, scols]` as f32.
+        scales: Vec<f32>,
+        /// Scale grid rows.
+        srows: usize,
+        /// Scale grid columns.
+        scols: usize,
+    },
+    /// Packed FP4 E2M1 (`[rows, cols / 2]` bytes, the even element in the low nibble) with
+    /// scales.
+    Fp4 {
+        /// Packed codes.
+        packed: Vec<u8>,
+        /// Rows.
+        rows: usize,
+        /// Columns (logical).
+        cols: usize,
+        /// Scales `[srows, scols]` as f32.
+        scales: Vec<f32>,
+        /// Scale grid rows.
+        srows: usize,
+        /// Scale grid columns.
+        scols: usize,
+    },
+}
+
+/// How a loaded model holds its linear weights.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum WeightPrecision {
+    /// As the checkpoint stores them (FP8, FP4, BF16 or f32), packed once for the kernels.
+    #[default]
+    Stored,
+    /// Dequantized to f32 (4 bytes per weight): the verification path. Each weight has the
+    /// same value as stored, and the kernels sum in the same order, so the two give the same
+    /// bits.
+    F32,
+}
+
+impl StoredMatrix {
+    /// `[rows, cols]`.
+    pub fn shape(&self) -> (usize, usize) {
+        match *self {
+            StoredMatrix::F32 { rows, cols, .. }
+            | StoredMatrix::Bf16 { rows, cols, .. }
+            | StoredMatrix::Fp8 { rows, cols, .. }
+            | StoredMatrix::Fp4 { rows, cols, .. } => (rows, cols),
+        }
+    }
+
+    /// The values as f32, row-major (the dequantizer of the storage type).
+    pub fn to_f32(&self) -> Result<Vec<f32>, String> {
+        match self {
+            StoredMatrix::F32 { values, .. } => Ok(values.clone()),
+            StoredMatrix::Bf16 { bits, .. } => Ok(bits.iter().map(|&b| f32_from_bf16(b)).collect()),
+            StoredMatrix::Fp8 {
+                codes,
+                rows,
+                cols,
+                scales,
+                srows,
+                scols,
+            } => dequantize_fp8(codes, *rows, *cols, scales, *srows, *scols),
+            StoredMatrix::Fp4 {
+                packed,
+                rows,
+                cols,
+                scales,
+                srows,
+                scols,
+            } => dequantize_fp4(packed, *rows, *cols, scales, *srows, *scols),
+        }
+    }
+
+    /// Rows `r` of the matrix, scales included (a block grid that `r` cuts through becomes
+    /// one scale row per row, with the same values).
+    pub fn rows(&self, r: std::ops::Range<usize>) -> Result<StoredMatrix, String> {
+        let (rows, cols) = self.shape();
+        if r.start > r.end || r.end > rows {
+            return Err(format!("rows {r:?} of a {rows}-row matrix"));
+        }
+        let n = r.len();
+        let regrid = |scales: &[f32], srows: usize, scols: usize| -> Result<Vec<f32>, String> {
+            let (br, _) = blocks(rows, cols, srows, scols).ok_or_else(|| {
+                format!("scale grid [{srows}, {scols}] does not tile [{rows}, {cols}]")
+            })?;
+            Ok(r.clone()
+                .flat_map(|j| {
+                    scales[(j / br) * scols..(j / br + 1) * scols]
+                        .iter()
+                        .copied()
+                })
+                .collect())
+        };
+        Ok(match self {
+            StoredMatrix::F32 { values, .. } => StoredMatrix::F32 {
+                values: values[r.start * cols..r.end * cols].to_vec(),
+                rows: n,
+                cols,
+            },
+            StoredMatrix::Bf16 { bits, .. } => StoredMatrix::Bf16 {
+                bits: bits[r.start * cols..r.end * cols].to_vec(),
+                rows: n,
+                cols,
+            },
+            StoredMatrix::Fp8 {
+                codes,
+                scales,
+                srows,
+                scols,
+                ..
+            } => StoredMatrix::Fp8 {
+                codes: codes[r.start * cols..r.end * cols].to_vec(),
+                rows: n,
+                cols,
+                scales: regrid(scales, *srows, *scols)?,
+                srows: n,
+                scols: *scols,
+            },
+            StoredMatrix::Fp4 {
+                packed,
+                scales,
+                srows,
+                scols,
+                ..
+            } => StoredMatrix::Fp4 {
+                packed: packed[r.start * cols / 2..r.end * cols / 2].to_vec(),
+                rows: n,
+                cols,
+                scales: regrid(scales, *srows, *scols)?,
+                srows: n,
+                scols: *scols,
+            },
+        })
+    }
+
+    /// Packs the matrix for the kernels, as stored or as f32.
+    pub fn pack(&self, precision: WeightPrecision) -> Result<PackedLinear, String> {
+        let (rows, cols) = self.shape();
+        let r = match (self, precision) {
+            (StoredMatrix::F32 { values, .. }, _) => PackedLinear::from_f32(values, rows, cols),
+            (_, WeightPrecision::F32) => PackedLinear::from_f32(&self.to_f32()?, rows, cols),
+            (StoredMatrix::Bf16 { bits, .. }, _) => PackedLinear::from_bf16(bits, rows, cols),
+            (
+                StoredMatrix::Fp8 {
+                    codes,
+                    scales,
+                    srows,
+                    scols,
+                    ..
+                },
+                _,
+            ) => PackedLinear::from_fp8(codes, rows, cols, scales, *srows, *scols),
+            (
+                StoredMatrix::Fp4 {
+                    packed,
+                    scales,
+                    srows,
+                    scols,
+                    ..
+                },
+                _,
+            ) => PackedLinear::from_fp4(packed, rows, cols, scales, *srows, *scols),
+        };
+        r.map_err(|e| e.to_string())
+    }
+}
+
+/// Reads tensor `name` (with its `.scale` companion where the storage has one) as stored,
+/// checked against the expected logical `shape`. Errors name the tensor (missing, shape,
+/// dtype, scale grid) and `path`.
+pub fn stored_matrix(
+    path: &Path,
+    name: &str,
+    t: Option<RawTensor<'_>>,
+    scale: Option<(String, RawTensor<'_>)>,
+    shape: &[usize],
+) -> Result<StoredMatrix, Error> {
+    let storage = |name: &str, reason: String| Error::Storage {
+        path: path.to_path_buf(),
+        name: name.to_owned(),
+        reason,
+    };
+    let Some(t) = t else {
         return Err(Error::Missing(Box::new(MissingTensor {
-            path: file.path().to_path_buf(),
+            path: path.to_path_buf(),
             name: name.to_owned(),
             dtype: "F32, BF16, F8_E4M3 (+ .scale) or packed F4 (+ .scale)",
             expected: shape.to_vec(),
@@ -198,7 +410,7 @@ pub fn load_f32(file: &TensorFile, name: &str, shape: &[usize]) -> Result<Vec<f3
     };
     let shape_err = || -> Error {
         Error::WeightsShape(Box::new(ShapeMismatch {
-            path: file.path().to_path_buf(),
+            path: path.to_path_buf(),
             name: name.to_owned(),
             expected: shape.to_vec(),
             actual: t.shape.to_vec(),
@@ -208,16 +420,18 @@ pub fn load_f32(file: &TensorFile, name: &str, shape: &[usize]) -> Result<Vec<f3
         match shape {
             [r, c] => Ok((*r, *c)),
             _ => Err(storage(
-                file,
                 name,
                 format!("{what} storage for a tensor of shape {}", Shape(shape)),
             )),
         }
     };
+    let flat = || match shape {
+        [r, c] => (*r, *c),
+        _ => (1, shape.iter().product()),
+    };
     let scales = |rows: usize, cols: usize| -> Result<(Vec<f32>, usize, usize), Error> {
-        let (sname, st) = scale_tensor(file, name).ok_or_else(|| {
+        let (sname, st) = scale.clone().ok_or_else(|| {
             storage(
-                file,
                 name,
                 format!("{:?} storage needs a `.scale` tensor (none found)", t.dtype),
             )
@@ -226,7 +440,6 @@ pub fn load_f32(file: &TensorFile, name: &str, shape: &[usize]) -> Result<Vec<f3
             [a, b] => (*a, *b),
             s => {
                 return Err(storage(
-                    file,
                     &sname,
                     format!("scale of shape {} is not 2-D", Shape(s)),
                 ));
@@ -234,7 +447,6 @@ pub fn load_f32(file: &TensorFile, name: &str, shape: &[usize]) -> Result<Vec<f3
         };
         let v = scale_values(&st).ok_or_else(|| {
             storage(
-                file,
                 &sname,
                 format!(
                     "scale dtype {:?} (expected F8_E8M0, U8, F32 or BF16)",
@@ -243,11 +455,10 @@ pub fn load_f32(file: &TensorFile, name: &str, shape: &[usize]) -> Result<Vec<f3
             )
         })?;
         if v.len() != sr * sc {
-            return Err(storage(file, &sname, "scale bytes do not match its shape"));
+            return Err(storage(&sname, "scale bytes do not match its shape".into()));
         }
         if blocks(rows, cols, sr, sc).is_none() {
             return Err(storage(
-                file,
                 &sname,
                 format!("scale grid [{sr}, {sc}] does not tile the [{rows}, {cols}] weight"),
             ));
@@ -259,20 +470,31 @@ pub fn load_f32(file: &TensorFile, name: &str, shape: &[usize]) -> Result<Vec<f3
             if t.shape != shape {
                 return Err(shape_err());
             }
+            let (rows, cols) = flat();
             Ok(if t.dtype == Dtype::F32 {
-                t.data
-                    .as_chunks::<4>()
-                    .0
-                    .iter()
-                    .map(|b| f32::from_le_bytes(*b))
-                    .collect()
+                StoredMatrix::F32 {
+                    values: t
+                        .data
+                        .as_chunks::<4>()
+                        .0
+                        .iter()
+                        .map(|b| f32::from_le_bytes(*b))
+                        .collect(),
+                    rows,
+                    cols,
+                }
             } else {
-                t.data
-                    .as_chunks::<2>()
-                    .0
-                    .iter()
-                    .map(|b| f32_from_bf16(u16::from_le_bytes(*b)))
-                    .collect()
+                StoredMatrix::Bf16 {
+                    bits: t
+                        .data
+                        .as_chunks::<2>()
+                        .0
+                        .iter()
+                        .map(|b| u16::from_le_bytes(*b))
+                        .collect(),
+                    rows,
+                    cols,
+                }
             })
         }
         Dtype::F8_E4M3 => {
@@ -281,7 +503,17 @@ pub fn load_f32(file: &TensorFile, name: &str, shape: &[usize]) -> Result<Vec<f3
                 return Err(shape_err());
             }
             let (s, sr, sc) = scales(r, c)?;
-            dequantize_fp8(t.data, r, c, &s, sr, sc).map_err(|e| storage(file, name, e))
+            if t.data.len() != r * c {
+                return Err(storage(name, "FP8 bytes do not match its shape".into()));
+            }
+            Ok(StoredMatrix::Fp8 {
+                codes: t.data.to_vec(),
+                rows: r,
+                cols: c,
+                scales: s,
+                srows: sr,
+                scols: sc,
+            })
         }
         Dtype::F4 | Dtype::I8 | Dtype::U8 => {
             let (r, c) = matrix("packed FP4")?;
@@ -295,16 +527,48 @@ pub fn load_f32(file: &TensorFile, name: &str, shape: &[usize]) -> Result<Vec<f3
                 return Err(shape_err());
             }
             let (s, sr, sc) = scales(r, c)?;
-            dequantize_fp4(t.data, r, c, &s, sr, sc).map_err(|e| storage(file, name, e))
+            if !c.is_multiple_of(2) || t.data.len() != r * c / 2 {
+                return Err(storage(
+                    name,
+                    "packed FP4 bytes do not match its shape".into(),
+                ));
+            }
+            Ok(StoredMatrix::Fp4 {
+                packed: t.data.to_vec(),
+                rows: r,
+                cols: c,
+                scales: s,
+                srows: sr,
+                scols: sc,
+            })
         }
         other => Err(Error::Dtype(Box::new(DtypeMismatch {
-            path: file.path().to_path_buf(),
+            path: path.to_path_buf(),
             name: name.to_owned(),
             expected: "F32, BF16, F8_E4M3 or packed F4",
             actual: format!("{other:?}"),
             shape: shape.to_vec(),
         }))),
     }
+}
+
+/// Tensor `name` of `file` as stored (see [`stored_matrix`]).
+pub fn load_stored(file: &TensorFile, name: &str, shape: &[usize]) -> Result<StoredMatrix, Error> {
+    stored_matrix(
+        file.path(),
+        name,
+        file.raw_tensor(name),
+        scale_tensor(file, name),
+        shape,
+    )
+}
+
+/// Loads tensor `name` of the expected (logical) `shape` as f32 from any storage type of the
+/// module table. Errors name the tensor (missing, shape, dtype, scale grid).
+pub fn load_f32(file: &TensorFile, name: &str, shape: &[usize]) -> Result<Vec<f32>, Error> {
+    load_stored(file, name, shape)?
+        .to_f32()
+        .map_err(|e| storage(file, name, e))
 }
 
 #[cfg(test)]

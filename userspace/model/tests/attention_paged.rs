@@ -9,6 +9,7 @@
 
 use kvstack_cache::{CacheOptions, KvCache};
 use kvstack_driver::pinned::{HugePages, Locking, PinnedOptions};
+use kvstack_kernels::linear::PackedLinear;
 use kvstack_model::attention::{
     AttentionDims, AttentionWeights, CompressorWeights, Csa2Attention, IndexKeyWeights,
     IndexerWeights, KvStore, LayerTrace, LayerWeights, PagedStore, StepState,
@@ -48,8 +49,8 @@ impl Lcg {
         (0..n).map(|_| self.next() * scale).collect()
     }
 
-    fn linear(&mut self, out: usize, inp: usize) -> Vec<f32> {
-        self.vec(out * inp, (inp as f32).powf(-0.5))
+    fn linear(&mut self, out: usize, inp: usize) -> PackedLinear {
+        PackedLinear::from_f32(&self.vec(out * inp, (inp as f32).powf(-0.5)), out, inp).unwrap()
     }
 
     fn norm(&mut self, n: usize) -> Vec<f32> {
@@ -75,7 +76,9 @@ fn model(index_heads: usize) -> (ModelConfig, Csa2Attention) {
             wq_b: r.linear(d.q_width(), d.q_lora_rank),
             wkv: r.linear(d.head_dim, d.hidden),
             kv_norm: r.norm(d.head_dim),
-            wo_a: r.linear(d.o_groups * d.o_lora_rank, d.group_width()),
+            wo_a: (0..d.o_groups)
+                .map(|_| r.linear(d.o_lora_rank, d.group_width()))
+                .collect(),
             wo_b: r.linear(d.hidden, d.o_groups * d.o_lora_rank),
             sinks: r.vec(d.heads, 1.0),
             compressor: (s.mode == LayerMode::Full).then(|| CompressorWeights {

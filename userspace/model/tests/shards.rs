@@ -11,7 +11,7 @@ use kvstack_kernels::model::argmax;
 use kvstack_model::init::{shard_name, write_checkpoint, write_sharded_checkpoint};
 use kvstack_model::shards::INDEX_FILE;
 use kvstack_model::weights::TensorFile;
-use kvstack_model::{Checkpoint, Logits, Model};
+use kvstack_model::{Checkpoint, Logits, Model, WeightPrecision};
 use kvstack_spec::config::ModelConfig;
 
 const CONFIG: &str = concat!(
@@ -196,4 +196,46 @@ fn a_broken_sharded_checkpoint_is_refused_naming_the_shard_and_the_tensor() {
     let e = load_err(&wider, &dir);
     assert!(e.contains("embed.weight") && e.contains("300"), "{e}");
     assert!(e.contains("-of-00002.safetensors"), "{e}");
+}
+
+/// The sharded checkpoint computes with its weights as stored (FP8 linears, packed FP4
+/// experts, BF16 head and index weights), holding far fewer bytes than as f32, and gives the
+/// f32 verification path's logits bit for bit (the same weight values, summed in the same
+/// order: `kvstack_kernels::linear`), so the same greedy tokens.
+#[test]
+fn stored_formats_compute_what_the_f32_path_computes_in_fewer_bytes() {
+    let cfg = config();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("sharded");
+    write_sharded_checkpoint(&cfg, 11, &dir, 2).unwrap();
+    let ck = Checkpoint::open(&dir).unwrap();
+    let stored = Model::load_from(&cfg, ck.source()).unwrap();
+    let f32s = Model::load_with(&cfg, ck.source(), WeightPrecision::F32).unwrap();
+
+    let (a, b) = (stored.weight_bytes(), f32s.weight_bytes());
+    for f in ["fp8-e4m3", "fp4-e2m1", "bf16"] {
+        assert!(a.formats.get(f).copied().unwrap_or(0) > 0, "{f}: {a:?}");
+        assert!(!b.formats.contains_key(f), "{f} in the f32 model: {b:?}");
+    }
+    assert_eq!(a.f32, b.f32, "the same parameters");
+    assert!(
+        b.resident >= b.f32,
+        "f32 weights hold at least 4 bytes each: {b:?}"
+    );
+    assert!(
+        a.resident * 2 < b.resident,
+        "stored formats should hold well under half the f32 bytes: {} vs {}",
+        a.resident,
+        b.resident
+    );
+
+    let prompt: Vec<u32> = (0..41u32).map(|i| (i * 17 + 3) % 256).collect();
+    let (mut s1, mut s2) = (stored.new_store(None), f32s.new_store(None));
+    let l1 = stored.step(&mut s1, &prompt, Logits::All, None).unwrap();
+    let l2 = f32s.step(&mut s2, &prompt, Logits::All, None).unwrap();
+    assert!(
+        l1.iter().zip(&l2).all(|(x, y)| x.to_bits() == y.to_bits()),
+        "stored-format logits differ from the f32 path's"
+    );
+    assert_eq!(greedy(&stored, &prompt, 8), greedy(&f32s, &prompt, 8));
 }

@@ -24,13 +24,13 @@ use kvstack_kernels::attn as fast;
 use kvstack_kernels::csa2::attention::{AttentionShape, KeyRow, SparseAttention};
 use kvstack_kernels::csa2::candidates::{candidate_pool, mask_to_candidates};
 use kvstack_kernels::csa2::compress::CompressorState;
-use kvstack_kernels::csa2::gemm::linear_threads;
 use kvstack_kernels::csa2::indexer::{IndexQuery, scale_head_weights};
 use kvstack_kernels::csa2::norm::rms_norm_in_place;
-use kvstack_kernels::csa2::output::{OutputShape, grouped_output};
+use kvstack_kernels::csa2::output::OutputShape;
 use kvstack_kernels::csa2::quant::RowCodec;
 use kvstack_kernels::csa2::rope::Rope;
 use kvstack_kernels::csa2::topk::topk;
+use kvstack_kernels::linear::PackedLinear;
 use zerocopy::FromBytes;
 
 use crate::weights::TensorFile;
@@ -316,17 +316,60 @@ impl Csa2Attention {
         self.threads = threads.max(1);
     }
 
-    /// A projection `out = x Wᵀ` on the layer's threads (bit-identical for every count).
+    /// A projection `out = x Wᵀ` (`W` `[n, k]` in its stored format) on the layer's threads
+    /// (bit-identical for every count).
     fn linear(
         &self,
         x: &[f32],
-        w: &[f32],
+        w: &PackedLinear,
         m: usize,
         k: usize,
         n: usize,
         out: &mut [f32],
     ) -> Result<(), kvstack_kernels::Error> {
-        linear_threads(x, w, m, k, n, out, self.threads)
+        if w.n() != n || w.k() != k {
+            return Err(kvstack_kernels::Error::Param {
+                what: "projection weight",
+                reason: format!("[{}, {}], expected [{n}, {k}]", w.n(), w.k()),
+            });
+        }
+        w.forward_threads(x, m, out, self.threads)
+    }
+
+    /// The grouped low-rank output projection (spec §4, as
+    /// `kvstack_kernels::csa2::output::grouped_output`) with packed weights: group `g`'s
+    /// slice of `x` (`[n, heads · head_dim]`) through its `wo_a`, the concatenation through
+    /// `wo_b`.
+    fn grouped_output(
+        &self,
+        n: usize,
+        x: &[f32],
+        wo_a: &[PackedLinear],
+        wo_b: &PackedLinear,
+        out: &mut [f32],
+    ) -> Result<(), kvstack_kernels::Error> {
+        let s = &self.output_shape;
+        let (gw, width, rank) = (s.group_width(), s.heads * s.head_dim, s.rank);
+        let gr = s.groups * rank;
+        if wo_a.len() != s.groups {
+            return Err(kvstack_kernels::Error::Param {
+                what: "wo_a groups",
+                reason: format!("{} matrices for {} groups", wo_a.len(), s.groups),
+            });
+        }
+        let mut low = vec![0f32; n * gr];
+        let mut xg = vec![0f32; n * gw];
+        let mut yg = vec![0f32; n * rank];
+        for (g, wa) in wo_a.iter().enumerate() {
+            for (t, row) in xg.chunks_exact_mut(gw).enumerate() {
+                row.copy_from_slice(&x[t * width + g * gw..t * width + (g + 1) * gw]);
+            }
+            self.linear(&xg, wa, n, gw, rank, &mut yg)?;
+            for (t, row) in yg.chunks_exact(rank).enumerate() {
+                low[t * gr + g * rank..t * gr + (g + 1) * rank].copy_from_slice(row);
+            }
+        }
+        self.linear(&low, wo_b, n, gr, s.hidden, out)
     }
 
     /// Which path the sparse attention takes: the register-tiled decode kernel of
@@ -1235,7 +1278,7 @@ impl Csa2Attention {
         rope.rotate_rows(&mut a, d.q_width(), d.head_dim, positions, true)
             .map_err(Error::kernel(layer, "inverse rope"))?;
         let mut out = vec![0f32; n * d.hidden];
-        grouped_output(&self.output_shape, n, &a, &w.wo_a, &w.wo_b, &mut out)
+        self.grouped_output(n, &a, &w.wo_a, &w.wo_b, &mut out)
             .map_err(Error::kernel(layer, "wo_a/wo_b"))?;
         Ok(out)
     }

@@ -17,6 +17,7 @@
 //! `wq_b` would fail with a dtype error naming the tensor).
 
 use crate::weights::TensorFile;
+use kvstack_kernels::linear::PackedLinear;
 use kvstack_spec::plan::{LayerMode, LayerPlan, LayerSpec};
 
 use super::dims::AttentionDims;
@@ -26,9 +27,9 @@ use crate::Error;
 #[derive(Clone, Debug, PartialEq)]
 pub struct CompressorWeights {
     /// `compressor.wkv` `[head_dim, hidden]`.
-    pub wkv: Vec<f32>,
+    pub wkv: PackedLinear,
     /// `compressor.wgate` `[head_dim, hidden]` (ratio ≥ 2 only).
-    pub wgate: Option<Vec<f32>>,
+    pub wgate: Option<PackedLinear>,
     /// `compressor.norm` `[head_dim]`.
     pub norm: Vec<f32>,
 }
@@ -37,7 +38,7 @@ pub struct CompressorWeights {
 #[derive(Clone, Debug, PartialEq)]
 pub struct IndexKeyWeights {
     /// `indexer.wk` `[index_head_dim, head_dim]`.
-    pub wk: Vec<f32>,
+    pub wk: PackedLinear,
     /// `indexer.k_norm` `[index_head_dim]`.
     pub k_norm: Vec<f32>,
 }
@@ -46,9 +47,9 @@ pub struct IndexKeyWeights {
 #[derive(Clone, Debug, PartialEq)]
 pub struct IndexerWeights {
     /// `indexer.wq_b` `[index_heads · index_head_dim, q_lora_rank]`.
-    pub wq_b: Vec<f32>,
+    pub wq_b: PackedLinear,
     /// `indexer.weights_proj` `[index_heads, hidden]`.
-    pub weights_proj: Vec<f32>,
+    pub weights_proj: PackedLinear,
     /// Key projection, for layers that own index keys.
     pub keys: Option<IndexKeyWeights>,
 }
@@ -57,19 +58,21 @@ pub struct IndexerWeights {
 #[derive(Clone, Debug, PartialEq)]
 pub struct LayerWeights {
     /// `wq_a` `[q_lora_rank, hidden]`.
-    pub wq_a: Vec<f32>,
+    pub wq_a: PackedLinear,
     /// `q_norm` `[q_lora_rank]`.
     pub q_norm: Vec<f32>,
     /// `wq_b` `[heads · head_dim, q_lora_rank]`.
-    pub wq_b: Vec<f32>,
+    pub wq_b: PackedLinear,
     /// `wkv` `[head_dim, hidden]` (window KV).
-    pub wkv: Vec<f32>,
+    pub wkv: PackedLinear,
     /// `kv_norm` `[head_dim]`.
     pub kv_norm: Vec<f32>,
-    /// `wo_a` `[o_groups · o_lora_rank, heads / o_groups · head_dim]`.
-    pub wo_a: Vec<f32>,
+    /// `wo_a` `[o_groups · o_lora_rank, heads / o_groups · head_dim]`, one matrix per group
+    /// (rows `g · o_lora_rank ..` of the stored tensor: group `g`'s `[o_lora_rank, heads /
+    /// o_groups · head_dim]`).
+    pub wo_a: Vec<PackedLinear>,
     /// `wo_b` `[hidden, o_groups · o_lora_rank]`.
-    pub wo_b: Vec<f32>,
+    pub wo_b: PackedLinear,
     /// One sink logit per head `[heads]`.
     pub sinks: Vec<f32>,
     /// KV sources only.
@@ -105,6 +108,32 @@ fn load(file: &TensorFile, name: &str, shape: &[usize]) -> Result<Vec<f32>, Erro
     file.f32(name, shape)
 }
 
+/// An f32 tensor of `file` packed as `groups` row blocks.
+fn load_linear(
+    file: &TensorFile,
+    name: &str,
+    shape: &[usize],
+    groups: usize,
+) -> Result<Vec<PackedLinear>, Error> {
+    let v = load(file, name, shape)?;
+    let (n, k) = match shape {
+        [n, k] => (*n, *k),
+        _ => (1, v.len()),
+    };
+    let per = n / groups.max(1);
+    (0..groups.max(1))
+        .map(|g| {
+            PackedLinear::from_f32(&v[g * per * k..(g + 1) * per * k], per, k).map_err(|e| {
+                Error::Storage {
+                    path: file.path().to_path_buf(),
+                    name: name.to_owned(),
+                    reason: e.to_string(),
+                }
+            })
+        })
+        .collect()
+}
+
 impl LayerWeights {
     fn load(
         file: &TensorFile,
@@ -118,26 +147,38 @@ impl LayerWeights {
             .into_iter()
             .find(|p| file.contains(&names.name(l, p)))
             .unwrap_or("sinks_param.weight");
-        LayerWeights::from_loader(dims, spec, sink, |param, shape| {
-            load(file, &names.name(l, param), shape)
-        })
+        LayerWeights::from_loader(
+            dims,
+            spec,
+            sink,
+            |param, shape| load(file, &names.name(l, param), shape),
+            |param, shape, groups| load_linear(file, &names.name(l, param), shape, groups),
+        )
     }
 
-    /// Builds one layer's weights through `w(param, shape)`, where `param` is relative to the
-    /// layer's `attn.` prefix and `sink` is the sink tensor's param name. Shared by the f32
-    /// loader here and the model loader (which dequantizes the released storage types).
+    /// Builds one layer's weights through `w(param, shape)` (f32 vectors) and `lin(param,
+    /// shape, groups)` (linear weights, packed, split into `groups` row blocks), where `param`
+    /// is relative to the layer's `attn.` prefix and `sink` is the sink tensor's param name.
+    /// Shared by the f32 loader here and the model loader (which keeps the released storage
+    /// types).
     pub(crate) fn from_loader<E>(
         d: &AttentionDims,
         spec: &LayerSpec,
         sink: &str,
         w: impl Fn(&str, &[usize]) -> Result<Vec<f32>, E>,
+        lin: impl Fn(&str, &[usize], usize) -> Result<Vec<PackedLinear>, E>,
     ) -> Result<LayerWeights, E> {
         let l = spec.index;
+        let one = |param: &str, shape: &[usize]| -> Result<PackedLinear, E> {
+            let mut v = lin(param, shape, 1)?;
+            // `lin` returns exactly `groups` matrices.
+            Ok(v.swap_remove(0))
+        };
         let compressor = if spec.mode == LayerMode::Full {
             Some(CompressorWeights {
-                wkv: w("compressor.wkv.weight", &[d.head_dim, d.hidden])?,
+                wkv: one("compressor.wkv.weight", &[d.head_dim, d.hidden])?,
                 wgate: if spec.compress_ratio >= 2 {
-                    Some(w("compressor.wgate.weight", &[d.head_dim, d.hidden])?)
+                    Some(one("compressor.wgate.weight", &[d.head_dim, d.hidden])?)
                 } else {
                     None
                 },
@@ -148,11 +189,11 @@ impl LayerWeights {
         };
         let indexer = if spec.compress_ratio > 0 && spec.index_source == Some(l) {
             Some(IndexerWeights {
-                wq_b: w("indexer.wq_b.weight", &[d.index_q_width(), d.q_lora_rank])?,
-                weights_proj: w("indexer.weights_proj.weight", &[d.index_heads, d.hidden])?,
+                wq_b: one("indexer.wq_b.weight", &[d.index_q_width(), d.q_lora_rank])?,
+                weights_proj: one("indexer.weights_proj.weight", &[d.index_heads, d.hidden])?,
                 keys: if spec.owns_index_keys() {
                     Some(IndexKeyWeights {
-                        wk: w("indexer.wk.weight", &[d.index_head_dim, d.head_dim])?,
+                        wk: one("indexer.wk.weight", &[d.index_head_dim, d.head_dim])?,
                         k_norm: w("indexer.k_norm.weight", &[d.index_head_dim])?,
                     })
                 } else {
@@ -163,16 +204,17 @@ impl LayerWeights {
             None
         };
         Ok(LayerWeights {
-            wq_a: w("wq_a.weight", &[d.q_lora_rank, d.hidden])?,
+            wq_a: one("wq_a.weight", &[d.q_lora_rank, d.hidden])?,
             q_norm: w("q_norm.weight", &[d.q_lora_rank])?,
-            wq_b: w("wq_b.weight", &[d.q_width(), d.q_lora_rank])?,
-            wkv: w("wkv.weight", &[d.head_dim, d.hidden])?,
+            wq_b: one("wq_b.weight", &[d.q_width(), d.q_lora_rank])?,
+            wkv: one("wkv.weight", &[d.head_dim, d.hidden])?,
             kv_norm: w("kv_norm.weight", &[d.head_dim])?,
-            wo_a: w(
+            wo_a: lin(
                 "wo_a.weight",
                 &[d.o_groups * d.o_lora_rank, d.group_width()],
+                d.o_groups,
             )?,
-            wo_b: w("wo_b.weight", &[d.hidden, d.o_groups * d.o_lora_rank])?,
+            wo_b: one("wo_b.weight", &[d.hidden, d.o_groups * d.o_lora_rank])?,
             sinks: w(sink, &[d.heads])?,
             compressor,
             indexer,
