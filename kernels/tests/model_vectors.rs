@@ -101,8 +101,10 @@ fn hyper_connections_moe_and_head_match_the_reference_model() {
         assert_close(&format!("{r}streams_in"), &streams, &recorded, 1e-4);
         streams = recorded;
         let site = |name: &str| {
+            let f = f32s(&w, &format!("{p}{name}.fn"));
+            let c = f.len() / (N * H);
             (
-                f32s(&w, &format!("{p}{name}.fn")),
+                PackedLinear::from_f32(&f, c, N * H).unwrap(),
                 f32s(&w, &format!("{p}{name}.base")),
                 f32s(&w, &format!("{p}{name}.scale")),
             )

@@ -124,6 +124,58 @@ impl Rope {
         Ok(())
     }
 
+    /// The interleaved `(cos, sin)` (sine negated for `inverse`) of every frequency at `pos`
+    /// into `cs`, from this thread's cache of recent positions when it has them: a decode
+    /// step rotates the same position in every layer with one of a model's two ropes, and
+    /// `cos`/`sin` were 6% of a decode step. An entry is found by its frequencies' bits, so
+    /// the values are exactly what computing them gives.
+    fn cos_sin(&self, pos: u64, inverse: bool, cached: bool, cs: &mut [f32]) {
+        /// Cached (frequencies, position, inverse, values) per thread.
+        type Entry = (Vec<f32>, u64, bool, Vec<f32>);
+        const ENTRIES: usize = 16;
+        thread_local! {
+            static CACHE: std::cell::RefCell<(Vec<Entry>, usize)> =
+                const { std::cell::RefCell::new((Vec::new(), 0)) };
+        }
+        let same = |f: &[f32]| {
+            f.len() == self.freqs.len()
+                && f.iter()
+                    .zip(&self.freqs)
+                    .all(|(a, b)| a.to_bits() == b.to_bits())
+        };
+        let hit = cached
+            && CACHE.with(|c| {
+                let c = c.borrow();
+                c.0.iter()
+                    .find(|e| e.1 == pos && e.2 == inverse && same(&e.0))
+                    .map(|e| cs.copy_from_slice(&e.3))
+                    .is_some()
+            });
+        if hit {
+            return;
+        }
+        let p = pos as f32;
+        for (c, &f) in cs.chunks_exact_mut(2).zip(&self.freqs) {
+            let a = p * f;
+            c[0] = a.cos();
+            c[1] = if inverse { -a.sin() } else { a.sin() };
+        }
+        if !cached {
+            return;
+        }
+        CACHE.with(|c| {
+            let mut c = c.borrow_mut();
+            let entry = (self.freqs.clone(), pos, inverse, cs.to_vec());
+            if c.0.len() < ENTRIES {
+                c.0.push(entry);
+            } else {
+                let at = c.1 % ENTRIES;
+                c.0[at] = entry;
+                c.1 = at + 1;
+            }
+        });
+    }
+
     /// Fast: rotates the last `rope_dim` channels of every `head_width`-wide head of every
     /// `row_width`-wide row of `x`, row `r` by `positions[r]`. Cosines and sines are computed
     /// once per row and shared by its heads; the arithmetic per pair is that of
@@ -153,12 +205,8 @@ impl Rope {
         let half = self.freqs.len();
         let mut cs = vec![0f32; 2 * half];
         for (row, &pos) in x.chunks_exact_mut(row_width).zip(positions) {
-            let p = pos as f32;
-            for (c, &f) in cs.chunks_exact_mut(2).zip(&self.freqs) {
-                let a = p * f;
-                c[0] = a.cos();
-                c[1] = if inverse { -a.sin() } else { a.sin() };
-            }
+            // Only decode-sized steps revisit positions; a prefill's rows are all new.
+            self.cos_sin(pos, inverse, positions.len() <= 4, &mut cs);
             for head in row.chunks_exact_mut(head_width) {
                 let tail = &mut head[head_width - self.rope_dim..];
                 for (pair, c) in tail.chunks_exact_mut(2).zip(cs.chunks_exact(2)) {

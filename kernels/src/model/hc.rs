@@ -6,13 +6,13 @@
 //! matrix from Sinkhorn iterations).
 
 use crate::csa2::Error;
-use crate::csa2::gemm::linear;
+use crate::linear::PackedLinear;
 
 /// The parameters of one coefficient site, borrowed from the weights.
 #[derive(Clone, Copy, Debug)]
 pub struct HcSite<'a> {
-    /// `fn`: `[n + n + n*n, n * hidden]` (`nn.Linear` layout).
-    pub proj: &'a [f32],
+    /// `fn`: `[n + n + n*n, n * hidden]` (`nn.Linear` layout, packed).
+    pub proj: &'a PackedLinear,
     /// `base`: `[n + n + n*n]`.
     pub base: &'a [f32],
     /// `scale`: `[3]`, for the pre, post and comb logits.
@@ -69,11 +69,17 @@ impl HcShape {
                 })
             }
         };
-        len(
-            "hc fn [n*(n+2), n*hidden]",
-            self.coeffs() * width,
-            site.proj.len(),
-        )?;
+        if site.proj.n() != self.coeffs() || site.proj.k() != width {
+            return Err(Error::Param {
+                what: "hc fn [n*(n+2), n*hidden]",
+                reason: format!(
+                    "weight is [{}, {}], expected [{}, {width}]",
+                    site.proj.n(),
+                    site.proj.k(),
+                    self.coeffs()
+                ),
+            });
+        }
         len("hc base [n*(n+2)]", self.coeffs(), site.base.len())?;
         len("hc scale [3]", 3, site.scale.len())?;
         len(
@@ -95,7 +101,7 @@ impl HcShape {
         let c = self.coeffs();
         let width = n * self.hidden;
         let mut raw = vec![0f32; tokens * c];
-        linear(streams, site.proj, tokens, width, c, &mut raw)?;
+        site.proj.forward(streams, tokens, &mut raw)?;
         let mut out = Vec::with_capacity(tokens);
         for (flat, raw) in streams.chunks_exact(width).zip(raw.chunks_exact(c)) {
             // The projection of the unnormalized streams is scaled afterwards, which equals
@@ -227,6 +233,7 @@ mod tests {
         let streams: Vec<f32> = (0..2 * width)
             .map(|i| ((i * 13 % 29) as f32 - 14.0) / 7.0)
             .collect();
+        let proj = PackedLinear::from_f32(&proj, 24, width).unwrap();
         let site = HcSite {
             proj: &proj,
             base: &base,

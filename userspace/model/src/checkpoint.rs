@@ -154,8 +154,8 @@ impl Naming {
 /// One hyper-connection site.
 #[derive(Clone, Debug, PartialEq)]
 pub struct HcWeights {
-    /// `fn` `[n (2 + n), n · hidden]`.
-    pub proj: Vec<f32>,
+    /// `fn` `[n (2 + n), n · hidden]` (packed as stored).
+    pub proj: PackedLinear,
     /// `base` `[n (2 + n)]`.
     pub base: Vec<f32>,
     /// `scale` `[3]`.
@@ -258,7 +258,7 @@ fn block(
             Naming::Nemo => format!("{site}_hc.{part}"),
         };
         Ok(HcWeights {
-            proj: w(&n("fn"), &[c, width])?,
+            proj: lin(&n("fn"), &[c, width])?,
             base: w(&n("base"), &[c])?,
             scale: w(&n("scale"), &[3])?,
         })

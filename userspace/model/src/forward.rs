@@ -342,7 +342,8 @@ impl Model {
         for blk in &self.blocks {
             vecs += blk.attn_norm.len() + blk.ffn_norm.len() + blk.gate_bias.len();
             for hc in [&blk.attn_hc, &blk.ffn_hc] {
-                vecs += hc.proj.len() + hc.base.len() + hc.scale.len();
+                lin(&hc.proj);
+                vecs += hc.base.len() + hc.scale.len();
             }
         }
         b.resident += vecs as u64 * 4;
