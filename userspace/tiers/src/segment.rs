@@ -701,6 +701,47 @@ mod tests {
     use super::*;
 
     #[test]
+    fn io_engine_values_choose_the_engine_or_the_namespace() {
+        use crate::store::StoreOptions;
+        use kvstack_driver::blockio::EnginePreference;
+        let dir = StoreLocation::Directory(PathBuf::from("/d"));
+        for (v, want) in [
+            ("auto", EnginePreference::Auto),
+            ("io_uring", EnginePreference::Uring),
+            ("sync", EnginePreference::SyncBuffered),
+            ("sync-direct", EnginePreference::SyncDirect),
+        ] {
+            let mut o = StoreOptions::new(dir.clone());
+            o.set_io_engine(v).unwrap();
+            assert_eq!((o.engine, &o.location), (want, &dir), "{v}");
+        }
+        let mut o = StoreOptions::new(dir.clone());
+        o.set_io_engine("vfio:0000:00:04.0").unwrap();
+        let StoreLocation::Namespace(n) = &o.location else {
+            panic!("{:?}", o.location);
+        };
+        assert_eq!(n.name(), "vfio:0000:00:04.0");
+        assert_eq!(o.location.path(), Path::new("vfio:0000:00:04.0"));
+        for bad in [
+            "spdk",
+            "vfio:",
+            "vfio:00:04.0",
+            "vfio:../x",
+            "VFIO:0000:00:04.0",
+        ] {
+            let mut o = StoreOptions::new(dir.clone());
+            let e = o.set_io_engine(bad).unwrap_err().to_string();
+            assert!(e.contains("io_engine"), "{bad}: {e}");
+            assert_eq!(o.location, dir, "{bad} changed the location");
+        }
+        let n = n.clone();
+        assert!(n.clone().at_offset(100).is_err());
+        let at = n.at_offset(128 << 20).unwrap();
+        assert_eq!(at.offset(), 128 << 20);
+        assert_eq!(at.name(), "vfio:0000:00:04.0+134217728");
+    }
+
+    #[test]
     fn segment_names_roundtrip() {
         assert_eq!(parse_segment_name(&segment_name(0xabc)), Some(0xabc));
         assert_eq!(parse_segment_name("seg-12.kvs"), None);
