@@ -29,6 +29,11 @@ pub struct TiersArgs {
     /// Alternating fio / store runs of the SSD measurements (the best of each counts).
     #[arg(long, value_name = "N", default_value_t = 2, value_parser = crate::flags::count::<usize>(1, 100))]
     repeat: usize,
+    /// The store's I/O engine: auto, io_uring, sync, sync-direct, or vfio:PCI-ADDRESS (the
+    /// store on namespace 1 of that NVMe controller, bound to vfio-pci, through the userspace
+    /// driver; fio still measures a file in --dir).
+    #[arg(long, value_name = "ENGINE")]
+    io_engine: Option<String>,
     /// Skip fio even when it is installed.
     #[arg(long)]
     no_fio: bool,
@@ -52,6 +57,7 @@ pub fn run(args: &TiersArgs) -> Result<(), CliError> {
     opts.queue_depth = args.queue_depth;
     opts.fio = !args.no_fio;
     opts.repetitions = args.repeat;
+    opts.io_engine = args.io_engine.clone();
     let quiet = args.json;
     let report = run_tiers_bench(&opts, |stage| {
         if !quiet {

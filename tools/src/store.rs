@@ -22,13 +22,18 @@ pub struct StoreArgs {
     #[arg(
         long,
         value_name = "D",
-        required_unless_present = "device",
+        required_unless_present_any = ["device", "io_engine"],
         conflicts_with = "device"
     )]
     dir: Option<PathBuf>,
     /// A preallocated file or raw block device holding the store.
     #[arg(long, value_name = "PATH")]
     device: Option<PathBuf>,
+    /// The I/O engine: auto, io_uring, sync, sync-direct, or vfio:PCI-ADDRESS (the store
+    /// on namespace 1 of that NVMe controller, bound to vfio-pci, through the userspace
+    /// driver, in place of --dir/--device).
+    #[arg(long, value_name = "ENGINE")]
+    io_engine: Option<String>,
     /// Segment size in MiB the store was created with (needed for devices).
     #[arg(long, value_name = "MIB", default_value_t = 64, value_parser = crate::flags::count::<u64>(1, 1 << 16))]
     segment_mib: u64,
@@ -65,7 +70,7 @@ pub enum StoreOp {
     },
 }
 
-fn options(a: &StoreArgs) -> StoreOptions {
+fn options(a: &StoreArgs) -> Result<StoreOptions, CliError> {
     let location = match (&a.dir, &a.device) {
         (_, Some(d)) => StoreLocation::Device(d.clone()),
         (Some(d), None) => StoreLocation::Directory(d.clone()),
@@ -74,7 +79,21 @@ fn options(a: &StoreArgs) -> StoreOptions {
     let mut o = StoreOptions::new(location);
     o.segment_bytes = a.segment_mib << 20;
     o.read_only = true;
-    o
+    if let Some(e) = &a.io_engine {
+        o.set_io_engine(e).map_err(|e| CliError::Usage {
+            flag: "--io-engine",
+            reason: e.to_string(),
+        })?;
+        if matches!(o.location, StoreLocation::Namespace(_))
+            && (a.dir.is_some() || a.device.is_some())
+        {
+            return Err(CliError::Usage {
+                flag: "--io-engine",
+                reason: "vfio:<pci-address> is the store's location: drop --dir/--device".into(),
+            });
+        }
+    }
+    Ok(o)
 }
 
 fn print_json(v: &impl serde::Serialize) -> Result<(), CliError> {
@@ -97,7 +116,7 @@ pub fn run(op: &StoreOp) -> Result<(), CliError> {
 }
 
 fn stats(a: &StoreArgs) -> Result<(), CliError> {
-    let store = SsdStore::open(options(a), Arc::new(SystemClock)).map_err(CliError::Store)?;
+    let store = SsdStore::open(options(a)?, Arc::new(SystemClock)).map_err(CliError::Store)?;
     let s = store.stats();
     if a.json {
         return print_json(&s);
@@ -161,7 +180,7 @@ fn stats(a: &StoreArgs) -> Result<(), CliError> {
 }
 
 fn check(a: &StoreArgs) -> Result<(), CliError> {
-    let r = fsck(&options(a)).map_err(CliError::Store)?;
+    let r = fsck(&options(a)?).map_err(CliError::Store)?;
     if a.json {
         print_json(&r)?;
     } else {
@@ -234,7 +253,7 @@ fn check(a: &StoreArgs) -> Result<(), CliError> {
 
 /// `fsck --repair`: what a writer's open and an explicit reclaim repair.
 fn repair(a: &StoreArgs) -> Result<(), CliError> {
-    let mut o = options(a);
+    let mut o = options(a)?;
     if let StoreLocation::Directory(d) = &o.location
         && !d.is_dir()
     {
@@ -267,7 +286,7 @@ fn repair(a: &StoreArgs) -> Result<(), CliError> {
 }
 
 fn list(a: &StoreArgs, records: bool) -> Result<(), CliError> {
-    let r = inspect(&options(a), records).map_err(CliError::Store)?;
+    let r = inspect(&options(a)?, records).map_err(CliError::Store)?;
     if a.json {
         return print_json(&r);
     }

@@ -165,6 +165,36 @@ fn missing_store_is_a_clear_error() {
 }
 
 #[test]
+fn io_engine_values_are_checked_and_a_missing_controller_is_a_clear_error() {
+    let run = |args: &[&str]| {
+        let out = kvstack()
+            .args(["store", "stats"])
+            .args(args)
+            .output()
+            .unwrap();
+        (out.status.code(), String::from_utf8(out.stderr).unwrap())
+    };
+    let (code, err) = run(&["--io-engine", "spdk"]);
+    assert_ne!(code, Some(0));
+    assert!(
+        err.contains("--io-engine") && err.contains("vfio:<pci-address>"),
+        "{err}"
+    );
+    let (code, err) = run(&["--io-engine", "vfio:00:04.0"]);
+    assert_ne!(code, Some(0));
+    assert!(err.contains("DDDD:BB:DD.F"), "{err}");
+    let (code, err) = run(&["--io-engine", "vfio:0000:00:04.0", "--dir", "/tmp"]);
+    assert_ne!(code, Some(0));
+    assert!(err.contains("drop --dir"), "{err}");
+    // A well-formed address with no controller bound to vfio-pci there: the driver's error,
+    // naming the location, and no panic.
+    let (code, err) = run(&["--io-engine", "vfio:0000:ff:1f.7"]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("vfio:0000:ff:1f.7"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
 fn bench_tiers_runs_small_and_explains_missing_fio() {
     let d = TempDir::new("bench");
     // An empty PATH: fio cannot be found, and the report says how to install it.

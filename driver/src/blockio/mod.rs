@@ -20,6 +20,8 @@
 //! - no io_uring (old kernel, `io_uring_disabled`, seccomp): [`EngineKind::Sync`] with direct
 //!   I/O where the file system allows it.
 
+#[cfg(test)]
+pub(crate) mod bench;
 pub mod buffer;
 pub mod file;
 mod nvme_engine;
@@ -35,7 +37,7 @@ use serde::Serialize;
 
 pub use buffer::{BUFFER_ALIGN, BufferPool, IoBuf};
 pub use file::{OpenMode, file_size, open_file, preallocate, sync_dir};
-pub use nvme_engine::NvmeEngine;
+pub use nvme_engine::{NvmeEngine, NvmeNamespace, NvmeOpener, NvmeShared};
 pub use sync::SyncEngine;
 pub use uring::UringEngine;
 

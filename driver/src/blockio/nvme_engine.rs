@@ -1,46 +1,269 @@
 //! The userspace NVMe engine: [`BlockEngine`] over the driver's [`Controller`] (docs/nvme.md,
 //! "The block engine").
 //!
-//! Each [`IoOp`] becomes one NVMe Read or Write (NVM command set §6.9 / §6.15) on I/O queue 0
-//! of the controller, on the namespace the controller was brought up with; completions are
-//! reaped by polling ([`Controller::wait`]); [`BlockEngine::flush`] is the Flush command (§6.8).
-//! Offsets and lengths must be whole logical blocks (and whole 4 KiB pages, the driver's PRP
-//! rule) inside the namespace: anything else is refused at submission with
+//! Each [`IoOp`] becomes one NVMe Read or Write (NVM command set §6.9 / §6.15) on one I/O
+//! queue of the controller, on the namespace the controller was brought up with; completions
+//! are reaped by polling ([`Controller::poll`]); [`BlockEngine::flush`] is the Flush command
+//! (§6.8). Offsets and lengths must be whole logical blocks (and whole 4 KiB pages, the
+//! driver's PRP rule) inside the namespace: anything else is refused at submission with
 //! [`crate::Error::BlockTarget`], before the device sees it.
+//!
+//! # One controller, several engines
+//!
+//! A controller is brought up once and shared ([`NvmeShared`]): the SSD tier runs a writer, a
+//! syncer, readers on the callers' threads and recovery scans, each with its own engine, on
+//! one namespace. Every engine gets an id and the I/O queue with the fewest entries already
+//! promised to other engines; its command tags carry its id, so whichever engine polls the
+//! controller hands the completions of the others to their mailboxes. An engine whose queue
+//! is momentarily full (other engines' commands) polls until an entry frees up; it answers
+//! `WouldBlock` only for its own depth. The controller sits behind a mutex taken for each
+//! submission and poll, never across a wait.
 //!
 //! # Buffers: a bounce region, not zero copy
 //!
-//! The device never sees an [`IoBuf`](super::IoBuf). The engine maps one DMA region of `depth` slots of
-//! `max_bytes` each when it is built; a write copies the buffer into its slot before the doorbell,
-//! a read copies the slot into the buffer after the completion is reaped (volatile copies through
-//! [`crate::pinned::VolatileView`]). So the DMA contract holds trivially: the `IoBuf` stays
-//! owned by the engine until its completion (as with the file engines), but no memory a Rust
-//! slice can reach is ever device-visible. The cost is one memory copy per operation (measured
-//! in docs/nvme.md) and `depth × max_bytes` of pinned, mapped memory. Zero copy needs a [`super::BufferPool`]
-//! whose region is mapped through [`crate::nvme::Dma`] itself (a `Dma` method mapping
-//! caller-owned pinned memory); not done.
+//! The device never sees an [`IoBuf`](super::IoBuf). Each engine maps one DMA region of
+//! `depth` slots of `max_bytes` each when it is built; a write copies the buffer into its slot
+//! before the doorbell, a read copies the slot into the buffer after the completion is reaped
+//! (volatile copies through [`crate::pinned::VolatileView`]). So the DMA contract holds
+//! trivially: the `IoBuf` stays owned by the engine until its completion (as with the file
+//! engines), but no memory a Rust slice can reach is ever device-visible. The cost is one
+//! memory copy per operation (measured in docs/nvme.md) and `depth × max_bytes` of pinned,
+//! mapped memory. Zero copy needs a [`super::BufferPool`] whose region is mapped through
+//! [`crate::nvme::Dma`] itself (a `Dma` method mapping caller-owned pinned memory); not done.
 //!
 //! A slot whose command the controller could not stop (the controller ignored CC.EN after a
 //! timeout; the driver then leaks the command's memory) is never handed out again: the device
 //! might still write it.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::io;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::{BlockEngine, Completion, EngineKind, IoOp, IoTarget, NamespaceTarget, OpKind};
 use super::{SubmitError, buffer::BUFFER_ALIGN};
 use crate::Error;
 use crate::nvme::{
-    Controller, Dma, DmaRegion, DmaSlice, IoCompletion, IoKind, IoRequest, Registers,
+    Controller, ControllerStats, Dma, DmaRegion, DmaSlice, IoCompletion, IoKind, IoRequest,
+    Registers,
 };
 
-/// The tag of the engine's own Flush commands (operation tags are slot indices).
-const FLUSH_TAG: u64 = u64::MAX;
+/// The slot part of an engine's Flush tag (operation tags are `id << 32 | slot`).
+const FLUSH_SLOT: u64 = 0xFFFF_FFFF;
 
 const ENGINE: &str = "NVMe";
 
-/// [`BlockEngine`] over a userspace NVMe controller (module docs).
+/// A namespace of a brought-up controller that engines can be made for, whatever the
+/// controller's seams are (VFIO on hardware, the fake in tests): what the SSD tier holds.
+pub trait NvmeNamespace: Send + Sync + std::fmt::Debug {
+    /// The namespace, as operations must name it.
+    fn target(&self) -> NamespaceTarget;
+
+    /// Largest operation in bytes (the controller's transfer limit).
+    fn max_bytes(&self) -> usize;
+
+    /// A new engine on the shared controller (see [`NvmeShared::engine`]).
+    ///
+    /// # Errors
+    /// As [`NvmeShared::engine`].
+    fn engine(&self, depth: usize, max_bytes: usize) -> Result<Box<dyn BlockEngine>, Error>;
+
+    /// The device in words (`vfio:0000:00:04.0 namespace 1`), for logs and reports.
+    fn describe(&self) -> String;
+
+    /// The controller's counters.
+    fn stats(&self) -> ControllerStats;
+}
+
+/// How to bring up a namespace: what a store location names, opened when the store opens and
+/// closed (the controller shut down) when the last engine on it is dropped.
+pub trait NvmeOpener: Send + Sync + std::fmt::Debug {
+    /// The location in words (`vfio:<pci-address>`, `fake:<image>`).
+    fn name(&self) -> String;
+
+    /// A file to take the location's lock on, if the device itself is not exclusive (VFIO
+    /// groups are: a second open fails with `EBUSY`).
+    fn lock_path(&self) -> Option<PathBuf>;
+
+    /// Brings the controller up.
+    ///
+    /// # Errors
+    /// The driver's error for the step that failed.
+    fn open(&self) -> Result<Arc<dyn NvmeNamespace>, Error>;
+}
+
+/// The controller and what its engines share.
+struct Inner<R: Registers, D: Dma> {
+    ctrl: Controller<R, D>,
+    /// Completions reaped by one engine for another, by engine id.
+    mail: HashMap<u32, Vec<IoCompletion>>,
+    next_id: u32,
+    /// Entries of each I/O queue promised to live engines.
+    promised: Vec<usize>,
+}
+
+/// A brought-up controller shared by engines (module docs). Cloning shares it; the controller
+/// is shut down when the last clone and the last engine are dropped.
+pub struct NvmeShared<R: Registers, D: Dma> {
+    inner: Arc<Mutex<Inner<R, D>>>,
+    target: NamespaceTarget,
+    max_transfer: usize,
+    name: String,
+}
+
+impl<R: Registers, D: Dma> Clone for NvmeShared<R, D> {
+    fn clone(&self) -> Self {
+        NvmeShared {
+            inner: Arc::clone(&self.inner),
+            target: self.target,
+            max_transfer: self.max_transfer,
+            name: self.name.clone(),
+        }
+    }
+}
+
+impl<R: Registers, D: Dma> std::fmt::Debug for NvmeShared<R, D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NvmeShared")
+            .field("name", &self.name)
+            .field("target", &self.target)
+            .field("max_transfer", &self.max_transfer)
+            .finish_non_exhaustive()
+    }
+}
+
+fn lock<R: Registers, D: Dma>(m: &Mutex<Inner<R, D>>) -> MutexGuard<'_, Inner<R, D>> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl<R: Registers, D: Dma> NvmeShared<R, D> {
+    /// Shares `ctrl` (brought up, its namespace identified); `name` says which device it is.
+    ///
+    /// # Errors
+    /// [`Error::NvmeFailed`] for a controller without a namespace or I/O queue.
+    pub fn new(ctrl: Controller<R, D>, name: String) -> Result<NvmeShared<R, D>, Error> {
+        let ns = *ctrl.namespace().ok_or(Error::NvmeFailed {
+            reason: "no namespace identified".into(),
+        })?;
+        if ctrl.io_queues() == 0 || ctrl.io_queue_capacity(0) == 0 {
+            return Err(Error::NvmeFailed {
+                reason: "no I/O queue".into(),
+            });
+        }
+        let target = NamespaceTarget {
+            nsid: ctrl.namespace_id(),
+            block_bytes: ns.block_bytes(),
+            blocks: ns.size_blocks,
+        };
+        let max_transfer = ctrl.max_transfer();
+        let promised = vec![0; ctrl.io_queues()];
+        Ok(NvmeShared {
+            inner: Arc::new(Mutex::new(Inner {
+                ctrl,
+                mail: HashMap::new(),
+                next_id: 0,
+                promised,
+            })),
+            target,
+            max_transfer,
+            name,
+        })
+    }
+
+    /// An engine with at most `depth` operations in flight (capped by its queue's capacity) of
+    /// at most `max_bytes` each (rounded up to 4 KiB, capped by the controller's transfer
+    /// limit), on the I/O queue with the fewest entries promised to other engines. Maps its
+    /// bounce region (`depth × max_bytes`).
+    ///
+    /// # Errors
+    /// [`Error::ZeroSizedRegion`] for `max_bytes` 0, and the DMA allocation's error.
+    pub fn engine(&self, depth: usize, max_bytes: usize) -> Result<NvmeEngine<R, D>, Error> {
+        if max_bytes == 0 {
+            return Err(Error::ZeroSizedRegion);
+        }
+        let max_bytes = max_bytes
+            .checked_next_multiple_of(BUFFER_ALIGN)
+            .unwrap_or(usize::MAX)
+            .min(self.max_transfer);
+        let mut inner = lock(&self.inner);
+        let queue = (0..inner.promised.len())
+            .min_by_key(|&q| inner.promised.get(q).copied().unwrap_or(usize::MAX))
+            .unwrap_or(0);
+        let capacity = inner.ctrl.io_queue_capacity(queue).max(1);
+        let depth = depth.clamp(1, capacity);
+        let bytes = depth
+            .checked_mul(max_bytes)
+            .ok_or(Error::RegionTooLarge { bytes: usize::MAX })?;
+        let bounce = inner.ctrl.alloc(bytes)?;
+        let id = inner.next_id;
+        inner.next_id = inner.next_id.wrapping_add(1);
+        if let Some(p) = inner.promised.get_mut(queue) {
+            *p += depth;
+        }
+        drop(inner);
+        log::debug!(
+            "NVMe block engine {id} on {} queue {queue}: depth {depth}, up to {max_bytes} bytes \
+             per operation through a {bytes}-byte bounce region",
+            self.name
+        );
+        Ok(NvmeEngine {
+            shared: Arc::clone(&self.inner),
+            id,
+            queue,
+            target: self.target,
+            depth,
+            max_bytes,
+            bounce: Some(bounce),
+            slots: (0..depth).map(|_| None).collect(),
+            free: (0..depth).rev().collect(),
+            poisoned: 0,
+            outstanding: 0,
+            done: VecDeque::new(),
+            flush_result: None,
+        })
+    }
+
+    /// The namespace, as operations must name it.
+    pub fn target(&self) -> IoTarget {
+        IoTarget::Namespace(self.target)
+    }
+
+    /// Runs `f` on the controller (statistics, identity), under its lock.
+    pub fn with_controller<T>(&self, f: impl FnOnce(&Controller<R, D>) -> T) -> T {
+        f(&lock(&self.inner).ctrl)
+    }
+}
+
+impl<R: Registers + 'static, D: Dma + 'static> NvmeNamespace for NvmeShared<R, D> {
+    fn target(&self) -> NamespaceTarget {
+        self.target
+    }
+
+    fn max_bytes(&self) -> usize {
+        self.max_transfer
+    }
+
+    fn engine(&self, depth: usize, max_bytes: usize) -> Result<Box<dyn BlockEngine>, Error> {
+        Ok(Box::new(NvmeShared::engine(self, depth, max_bytes)?))
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "{} namespace {} ({} blocks of {} bytes)",
+            self.name, self.target.nsid, self.target.blocks, self.target.block_bytes
+        )
+    }
+
+    fn stats(&self) -> ControllerStats {
+        self.with_controller(Controller::stats)
+    }
+}
+
+/// [`BlockEngine`] over a (shared) userspace NVMe controller (module docs).
 pub struct NvmeEngine<R: Registers, D: Dma> {
+    shared: Arc<Mutex<Inner<R, D>>>,
+    id: u32,
+    queue: usize,
     target: NamespaceTarget,
     depth: usize,
     max_bytes: usize,
@@ -51,16 +274,19 @@ pub struct NvmeEngine<R: Registers, D: Dma> {
     free: Vec<usize>,
     /// Slots the device may still write (their command was leaked by the driver).
     poisoned: usize,
+    /// This engine's commands (operations and flushes) submitted and not yet reaped.
+    outstanding: usize,
     /// Completions reaped and not yet returned (a flush reaps what finishes before it).
     done: VecDeque<Completion>,
-    scratch: Vec<IoCompletion>,
-    /// Declared last: dropped after the engine has waited for its operations.
-    ctrl: Controller<R, D>,
+    /// The result of this engine's Flush, once reaped.
+    flush_result: Option<Result<(), Error>>,
 }
 
 impl<R: Registers, D: Dma> std::fmt::Debug for NvmeEngine<R, D> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("NvmeEngine")
+            .field("id", &self.id)
+            .field("queue", &self.queue)
             .field("target", &self.target)
             .field("depth", &self.depth)
             .field("max_bytes", &self.max_bytes)
@@ -87,65 +313,28 @@ fn refused(op: &'static str, reason: String) -> io::Error {
     })
 }
 
+/// Waits a little between polls: spin first (completions arrive in microseconds), then yield.
+fn pause(spins: &mut u32) {
+    *spins = spins.saturating_add(1);
+    if *spins < 256 {
+        std::hint::spin_loop();
+    } else {
+        std::thread::yield_now();
+    }
+}
+
 impl<R: Registers, D: Dma> NvmeEngine<R, D> {
-    /// An engine over `ctrl` (brought up, its namespace identified) with at most `depth`
-    /// operations in flight (capped by I/O queue 0's capacity) of at most `max_bytes` each
-    /// (rounded up to 4 KiB, capped by the controller's transfer limit). Maps the bounce region
-    /// (`depth × max_bytes`).
+    /// An engine that owns `ctrl` (shared with nobody): [`NvmeShared::engine`] of a new
+    /// [`NvmeShared`].
     ///
     /// # Errors
-    /// [`Error::NvmeFailed`] for a controller without a namespace or I/O queue,
-    /// [`Error::ZeroSizedRegion`] for `max_bytes` 0, and the DMA allocation's error.
+    /// As [`NvmeShared::new`] and [`NvmeShared::engine`].
     pub fn new(
-        mut ctrl: Controller<R, D>,
+        ctrl: Controller<R, D>,
         depth: usize,
         max_bytes: usize,
     ) -> Result<NvmeEngine<R, D>, Error> {
-        let ns = *ctrl.namespace().ok_or(Error::NvmeFailed {
-            reason: "no namespace identified".into(),
-        })?;
-        let capacity = ctrl.io_queue_capacity(0);
-        if capacity == 0 {
-            return Err(Error::NvmeFailed {
-                reason: "no I/O queue".into(),
-            });
-        }
-        if max_bytes == 0 {
-            return Err(Error::ZeroSizedRegion);
-        }
-        let depth = depth.clamp(1, capacity);
-        let max_bytes = max_bytes
-            .checked_next_multiple_of(BUFFER_ALIGN)
-            .unwrap_or(usize::MAX)
-            .min(ctrl.max_transfer());
-        let bytes = depth
-            .checked_mul(max_bytes)
-            .ok_or(Error::RegionTooLarge { bytes: usize::MAX })?;
-        let bounce = ctrl.alloc(bytes)?;
-        let target = NamespaceTarget {
-            nsid: ctrl.namespace_id(),
-            block_bytes: ns.block_bytes(),
-            blocks: ns.size_blocks,
-        };
-        log::info!(
-            "NVMe block engine: namespace {} ({} blocks of {} bytes), depth {depth}, up to \
-             {max_bytes} bytes per operation through a {bytes}-byte bounce region",
-            target.nsid,
-            target.blocks,
-            target.block_bytes
-        );
-        Ok(NvmeEngine {
-            target,
-            depth,
-            max_bytes,
-            bounce: Some(bounce),
-            slots: (0..depth).map(|_| None).collect(),
-            free: (0..depth).rev().collect(),
-            poisoned: 0,
-            done: VecDeque::new(),
-            scratch: Vec::new(),
-            ctrl,
-        })
+        NvmeShared::new(ctrl, "NVMe".into())?.engine(depth, max_bytes)
     }
 
     /// The namespace, as operations must name it.
@@ -158,9 +347,18 @@ impl<R: Registers, D: Dma> NvmeEngine<R, D> {
         self.max_bytes
     }
 
-    /// The controller (statistics, identity).
-    pub fn controller(&self) -> &Controller<R, D> {
-        &self.ctrl
+    /// The controller's counters.
+    pub fn controller_stats(&self) -> ControllerStats {
+        lock(&self.shared).ctrl.stats()
+    }
+
+    /// The I/O queue (0-based) this engine submits on.
+    pub fn queue(&self) -> usize {
+        self.queue
+    }
+
+    fn tag(&self, slot: u64) -> u64 {
+        (u64::from(self.id) << 32) | slot
     }
 
     /// Why `target` is not this engine's namespace, if it is not.
@@ -227,24 +425,27 @@ impl<R: Registers, D: Dma> NvmeEngine<R, D> {
         Ok(op.offset / block)
     }
 
-    /// Turns the controller's completions into [`Completion`]s on `self.done`; returns the
-    /// result of an engine Flush among them, if any.
-    fn absorb(&mut self) -> Option<Result<(), Error>> {
-        let mut flush = None;
-        for c in std::mem::take(&mut self.scratch) {
-            if c.tag == FLUSH_TAG {
-                flush = Some(c.result);
+    /// Turns this engine's controller completions into [`Completion`]s on `self.done` (and a
+    /// Flush's result into `flush_result`); returns how many it took.
+    fn absorb(&mut self, mine: Vec<IoCompletion>) -> usize {
+        let n = mine.len();
+        for c in mine {
+            self.outstanding = self.outstanding.saturating_sub(1);
+            let slot = c.tag & 0xFFFF_FFFF;
+            if slot == FLUSH_SLOT {
+                self.flush_result = Some(c.result);
                 continue;
             }
-            let Some(slot) = usize::try_from(c.tag)
-                .ok()
-                .filter(|&s| s < self.slots.len())
-            else {
-                log::error!("NVMe engine: a completion with unknown tag {}", c.tag);
+            let Some(slot) = usize::try_from(slot).ok().filter(|&s| s < self.slots.len()) else {
+                log::error!(
+                    "NVMe engine {}: a completion with unknown tag {}",
+                    self.id,
+                    c.tag
+                );
                 continue;
             };
             let Some(mut op) = self.slots.get_mut(slot).and_then(Option::take) else {
-                log::error!("NVMe engine: a completion for idle slot {slot}");
+                log::error!("NVMe engine {}: a completion for idle slot {slot}", self.id);
                 continue;
             };
             if c.buf.is_some() {
@@ -260,7 +461,7 @@ impl<R: Registers, D: Dma> NvmeEngine<R, D> {
             };
             self.done.push_back(Completion { op, result });
         }
-        flush
+        n
     }
 
     /// Copies a finished read from its bounce slot into the operation's buffer.
@@ -276,15 +477,67 @@ impl<R: Registers, D: Dma> NvmeEngine<R, D> {
             .map_err(io_error)
     }
 
-    /// Polls the controller for at least `min` completions (capped at its commands in flight).
-    fn reap(&mut self, min: usize) -> io::Result<Option<Result<(), Error>>> {
-        let mut scratch = std::mem::take(&mut self.scratch);
-        scratch.clear();
-        let r = self.ctrl.wait(min, &mut scratch);
-        self.scratch = scratch;
-        let flush = self.absorb();
-        r.map_err(io_error)?;
-        Ok(flush)
+    /// Polls the controller once: takes this engine's mail and new completions, posts the
+    /// other engines' to their mailboxes. Returns how many of this engine's it took.
+    fn poll_once(&mut self) -> io::Result<usize> {
+        let mut mine = Vec::new();
+        let polled = {
+            let mut inner = lock(&self.shared);
+            if let Some(mail) = inner.mail.get_mut(&self.id) {
+                mine.append(mail);
+            }
+            let mut all = Vec::new();
+            let r = inner.ctrl.poll(&mut all);
+            for c in all {
+                let owner = (c.tag >> 32) as u32;
+                if owner == self.id {
+                    mine.push(c);
+                } else {
+                    inner.mail.entry(owner).or_default().push(c);
+                }
+            }
+            r
+        };
+        let n = self.absorb(mine);
+        polled.map_err(io_error)?;
+        Ok(n)
+    }
+
+    /// Polls until `until` holds or nothing of this engine's is outstanding; the controller's
+    /// command deadlines bound the wait (a late command fails the controller, which completes
+    /// everything in flight).
+    fn poll_until(&mut self, mut until: impl FnMut(&Self) -> bool) -> io::Result<()> {
+        let mut spins = 0;
+        loop {
+            self.poll_once()?;
+            if until(self) || self.outstanding == 0 {
+                return Ok(());
+            }
+            pause(&mut spins);
+        }
+    }
+
+    /// Submits `req` on this engine's queue, polling while the queue is full of other
+    /// engines' commands.
+    fn submit_request(&mut self, req: IoRequest) -> Result<(), Error> {
+        let mut spins = 0;
+        loop {
+            {
+                let mut inner = lock(&self.shared);
+                // A failed controller (no room either) answers the submission with its error.
+                if inner.ctrl.has_room(self.queue) || inner.ctrl.in_flight() == 0 {
+                    inner.ctrl.submit(self.queue, req)?;
+                    self.outstanding += 1;
+                    return Ok(());
+                }
+            }
+            if let Err(e) = self.poll_once() {
+                return Err(Error::NvmeFailed {
+                    reason: format!("polling for a free queue entry: {e}"),
+                });
+            }
+            pause(&mut spins);
+        }
     }
 }
 
@@ -319,21 +572,21 @@ impl<R: Registers, D: Dma> BlockEngine for NvmeEngine<R, D> {
                 });
             }
         };
-        let busy = || {
+        let busy = |depth: usize| {
             io::Error::new(
                 io::ErrorKind::WouldBlock,
-                format!("{} operations already in flight", self.depth),
+                format!("{depth} operations already in flight"),
             )
         };
-        if self.in_flight() >= self.depth || !self.ctrl.has_room(0) {
+        if self.in_flight() >= self.depth {
             return Err(SubmitError {
-                error: busy(),
+                error: busy(self.depth),
                 op: Box::new(op),
             });
         }
         let (Some(slot), Some(region)) = (self.free.pop(), self.bounce.clone()) else {
             return Err(SubmitError {
-                error: busy(),
+                error: busy(self.depth),
                 op: Box::new(op),
             });
         };
@@ -359,9 +612,9 @@ impl<R: Registers, D: Dma> BlockEngine for NvmeEngine<R, D> {
                 offset,
                 len: op.len,
             }),
-            tag: slot as u64,
+            tag: self.tag(slot as u64),
         };
-        match self.ctrl.submit(0, req) {
+        match self.submit_request(req) {
             Ok(()) => {
                 if let Some(s) = self.slots.get_mut(slot) {
                     *s = Some(op);
@@ -380,42 +633,35 @@ impl<R: Registers, D: Dma> BlockEngine for NvmeEngine<R, D> {
 
     fn wait(&mut self, min: usize, out: &mut Vec<Completion>) -> io::Result<usize> {
         let want = min.min(self.in_flight());
-        let mut got = 0;
-        loop {
+        let mut got = self.done.len();
+        out.extend(self.done.drain(..));
+        if got < want {
+            let r = self.poll_until(|e| got + e.done.len() >= want);
             got += self.done.len();
             out.extend(self.done.drain(..));
-            if got >= want || self.ctrl.in_flight() == 0 {
-                break;
-            }
-            self.reap(want - got)?;
+            r?;
         }
         Ok(got)
     }
 
     fn flush(&mut self, target: &IoTarget) -> io::Result<()> {
         self.check_target("flush", target)?;
-        // Room for the Flush on queue 0: reap operations until a slot frees up.
-        while !self.ctrl.has_room(0) && self.ctrl.in_flight() > 0 {
-            self.reap(1)?;
-        }
         let req = IoRequest {
             kind: IoKind::Flush,
             lba: 0,
             buf: None,
-            tag: FLUSH_TAG,
+            tag: self.tag(FLUSH_SLOT),
         };
-        self.ctrl.submit(0, req).map_err(io_error)?;
-        loop {
-            if let Some(result) = self.reap(1)? {
-                return result.map_err(io_error);
-            }
-            if self.ctrl.in_flight() == 0 {
-                // The controller's completions are all reaped: the Flush was lost to a failure
-                // that completed nothing for it.
-                return Err(io_error(Error::NvmeFailed {
-                    reason: "the flush vanished".into(),
-                }));
-            }
+        self.flush_result = None;
+        self.submit_request(req).map_err(io_error)?;
+        self.poll_until(|e| e.flush_result.is_some())?;
+        match self.flush_result.take() {
+            Some(result) => result.map_err(io_error),
+            // Nothing of this engine's is outstanding and no result came: the Flush was lost
+            // to a failure that completed nothing for it.
+            None => Err(io_error(Error::NvmeFailed {
+                reason: "the flush vanished".into(),
+            })),
         }
     }
 }
@@ -425,19 +671,23 @@ impl<R: Registers, D: Dma> Drop for NvmeEngine<R, D> {
         // Wait for every command (the controller's deadlines bound it); the operations and
         // their buffers are then dropped. Buffers were never device-visible, so even a failed
         // wait frees nothing the device can reach; the bounce region is handled below.
-        while self.ctrl.in_flight() > 0 {
-            if let Err(e) = self.reap(self.ctrl.in_flight()) {
-                log::error!("NVMe engine dropped while its controller failed: {e}");
-                break;
-            }
+        if self.outstanding > 0
+            && let Err(e) = self.poll_until(|_| false)
+        {
+            log::error!("NVMe engine dropped while its controller failed: {e}");
         }
         let left = self.in_flight();
         if left > 0 {
-            log::warn!("NVMe engine dropped with {left} operations not reaped");
+            log::debug!("NVMe engine dropped with {left} operations not returned");
+        }
+        let mut inner = lock(&self.shared);
+        inner.mail.remove(&self.id);
+        if let Some(p) = inner.promised.get_mut(self.queue) {
+            *p = p.saturating_sub(self.depth);
         }
         if let Some(region) = self.bounce.take() {
-            if self.poisoned == 0 && self.ctrl.in_flight() == 0 {
-                if let Err(e) = self.ctrl.free(region) {
+            if self.poisoned == 0 && self.outstanding == 0 {
+                if let Err(e) = inner.ctrl.free(region) {
                     log::error!("NVMe engine: bounce region not unmapped: {e}");
                 }
             } else {
@@ -765,6 +1015,130 @@ mod tests {
         assert_eq!(pool.available(), 4);
         assert_eq!(fake.mapped(), 0);
         assert!(fake.state().disk[..PAGE].iter().all(|&b| b == 7));
+    }
+
+    #[test]
+    fn engines_sharing_one_controller_get_their_own_completions() {
+        let fake = Fake::new(256, 64);
+        let opts = ControllerOptions {
+            io_queues: 1,
+            io_queue_entries: 8,
+            admin_queue_entries: 8,
+            command_timeout: Duration::from_millis(500),
+            ..Default::default()
+        };
+        let ctrl = Controller::new(fake.bar(), fake.dma(), opts).unwrap();
+        let shared = NvmeShared::new(ctrl, "fake".into()).unwrap();
+        // Two engines on one 8-entry queue (7 commands): 6 + 4 promised, so the queue fills
+        // with the other engine's commands and a submission must wait for room, not fail.
+        let mut a = shared.engine(6, PAGE).unwrap();
+        let mut b = shared.engine(4, PAGE).unwrap();
+        assert_eq!((a.queue(), b.queue()), (0, 0));
+        let pool = BufferPool::new(16, PAGE, MEM).unwrap();
+        for i in 0..6u64 {
+            a.submit(op(&a, &pool, OpKind::Write, i * 4096, PAGE, 10 + i as u8))
+                .unwrap();
+        }
+        for i in 0..4u64 {
+            b.submit(op(
+                &b,
+                &pool,
+                OpKind::Write,
+                (8 + i) * 4096,
+                PAGE,
+                20 + i as u8,
+            ))
+            .unwrap();
+        }
+        // b reaps first: a's completions go to a's mailbox, none to b.
+        let got_b = reap_all(&mut b);
+        assert!(
+            got_b
+                .iter()
+                .all(|c| c.op.offset >= 8 * 4096 && c.result.is_ok())
+        );
+        let got_a = reap_all(&mut a);
+        assert_eq!(got_a.len(), 6);
+        assert!(
+            got_a
+                .iter()
+                .all(|c| c.op.offset < 8 * 4096 && c.result.is_ok())
+        );
+        drop((got_a, got_b));
+        // A flush from one engine while the other has reads in flight: each gets its own.
+        for i in 0..4u64 {
+            b.submit(op(&b, &pool, OpKind::Read, (8 + i) * 4096, PAGE, 0))
+                .unwrap();
+        }
+        let t = a.target();
+        a.flush(&t).unwrap();
+        assert_eq!(a.in_flight(), 0);
+        for c in reap_all(&mut b) {
+            let fill = 20 + (c.op.offset / 4096 - 8) as u8;
+            assert!(c.op.buf.as_slice().iter().all(|&x| x == fill));
+        }
+        // The controller lives until the last engine and handle are gone.
+        drop(a);
+        drop(shared);
+        assert_eq!(fake.state().shutdowns, 0);
+        drop(b);
+        assert_eq!(fake.state().shutdowns, 1);
+        assert_eq!(fake.mapped(), 0);
+    }
+
+    #[test]
+    fn an_image_namespace_keeps_only_flushed_writes_across_a_crash() {
+        let dir = std::env::temp_dir().join(format!(
+            "kvstack-fake-image-{}-{:?}",
+            std::process::id(),
+            std::thread::current().id()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let image = dir.join("ns.img");
+        let opener = crate::nvme::fake::FakeOpener::new(&image, 1 << 20);
+        let pool = BufferPool::new(4, PAGE, MEM).unwrap();
+        let write = |e: &mut dyn BlockEngine, t: &IoTarget, at: u64, fill: u8| {
+            let mut buf = pool.try_get().unwrap();
+            buf.as_mut_slice().fill(fill);
+            e.submit(IoOp {
+                kind: OpKind::Write,
+                target: t.clone(),
+                offset: at,
+                len: PAGE,
+                buf,
+                tag: 0,
+            })
+            .unwrap();
+            reap_all(e);
+        };
+        {
+            let ns = opener.open().unwrap();
+            let t = IoTarget::Namespace(ns.target());
+            let mut e = ns.engine(2, PAGE).unwrap();
+            write(e.as_mut(), &t, 0, 1);
+            e.flush(&t).unwrap();
+            write(e.as_mut(), &t, 4096, 2);
+            // A crash: the process dies without shutting the controller down; its volatile
+            // cache (the second write) is lost.
+            std::mem::forget(e);
+            std::mem::forget(ns);
+        }
+        let bytes = std::fs::read(&image).unwrap();
+        assert!(bytes[..PAGE].iter().all(|&b| b == 1));
+        assert!(
+            bytes[PAGE..2 * PAGE].iter().all(|&b| b == 0),
+            "unflushed write kept"
+        );
+        {
+            // A normal shutdown destages the cache.
+            let ns = opener.open().unwrap();
+            let t = IoTarget::Namespace(ns.target());
+            let mut e = ns.engine(2, PAGE).unwrap();
+            write(e.as_mut(), &t, 4096, 3);
+        }
+        let bytes = std::fs::read(&image).unwrap();
+        assert!(bytes[PAGE..2 * PAGE].iter().all(|&b| b == 3));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -859,4 +859,25 @@ mod tests {
         drop(e);
         let _ = std::fs::remove_file(&path);
     }
+
+    #[test]
+    #[ignore = "measurement in the QEMU rig: KVSTACK_VFIO_RIG_BENCH=1 scripts/vfio-rig"]
+    fn bench_uring_block_device() {
+        let Ok(path) = std::env::var("KVSTACK_BENCH_BLOCKDEV") else {
+            eprintln!("skipped: KVSTACK_BENCH_BLOCKDEV is unset");
+            return;
+        };
+        let mode = crate::blockio::OpenMode {
+            write: true,
+            create: false,
+            direct: true,
+        };
+        let f = crate::blockio::open_file(std::path::Path::new(&path), mode).unwrap();
+        let target = IoTarget::File(std::sync::Arc::new(f));
+        crate::blockio::bench::measure(
+            |pool| Box::new(UringEngine::new(64, Some(pool)).unwrap()),
+            &target,
+            "io_uring O_DIRECT",
+        );
+    }
 }

@@ -1,5 +1,7 @@
-//! An in-process NVMe controller for the driver's tests: the register and queue protocol over
-//! ordinary (pinned) memory, with a namespace backed by a `Vec`.
+//! An in-process NVMe controller for tests: the register and queue protocol over ordinary
+//! (pinned) memory, with a namespace backed by a `Vec` or by an image file behind a volatile
+//! write cache. Compiled for the driver's own tests and, with the `fake-nvme` feature, for
+//! other crates' tests (the SSD tier's suite runs its store on it).
 //!
 //! The fake acts synchronously: a doorbell write runs every command the new tail makes
 //! visible and posts its completion (while the completion queue has room; the rest wait for a
@@ -7,8 +9,19 @@
 //! the IOVAs the driver gave it, as a device would, and models the failures a driver must
 //! survive: error statuses, completions with a wrong command id or SQ id, a command that never
 //! completes, and a controller that stops answering altogether.
+//!
+//! With an image file ([`Fake::with_image`]) the namespace outlives the process, as a real
+//! one does: written blocks go to a volatile write cache (Identify Controller reports VWC = 1)
+//! and reach the file only on Flush, on a normal shutdown (CC.SHN), or when the cache holds
+//! more than [`WRITE_CACHE_BLOCKS`] blocks (then all of it is destaged, as a full cache
+//! would). A process killed with unflushed writes loses them, exactly what a power loss does
+//! to a drive's volatile cache, so crash tests over the fake check that durability really
+//! comes from Flush.
 
 use std::collections::{BTreeMap, VecDeque};
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use kvstack_firmware_interface::nvme::{
@@ -20,13 +33,17 @@ use kvstack_firmware_interface::nvme::{
 use zerocopy::byteorder::little_endian::{U16, U32, U64};
 use zerocopy::{FromBytes, FromZeros, IntoBytes};
 
-use super::{Dma, DmaRegion, Registers};
+use super::{Controller, ControllerOptions, Dma, DmaRegion, Registers};
 use crate::Error;
+use crate::blockio::{NvmeNamespace, NvmeOpener, NvmeShared};
 use crate::pinned::{HugePages, Locking, PinnedOptions, PinnedRegion};
+
+/// Blocks the write cache of an image-backed fake holds before it destages them all.
+pub const WRITE_CACHE_BLOCKS: usize = 4096;
 
 /// A fault to inject into the next I/O command's completion.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Inject {
+pub enum Inject {
     /// Complete with this status.
     Status(Status),
     /// Complete with a command id that is not the command's.
@@ -55,9 +72,19 @@ struct Cq {
     phase: bool,
 }
 
+/// A namespace kept in an image file, behind a volatile write cache.
+#[derive(Debug)]
+struct Image {
+    file: File,
+    bytes: usize,
+    /// Written blocks not yet in the file, by block index.
+    cache: BTreeMap<usize, Vec<u8>>,
+}
+
 /// The fake's state; tests read the public fields.
 #[derive(Debug)]
-pub(crate) struct State {
+pub struct State {
+    /// CAP as reported.
     pub cap: Capabilities,
     cc: u32,
     csts: u32,
@@ -73,9 +100,12 @@ pub(crate) struct State {
     cqs: BTreeMap<u16, Cq>,
     /// Most I/O queue pairs granted.
     pub max_io_queues: u16,
-    /// Namespace 1's blocks.
+    /// Namespace 1's blocks (empty when an image file holds them).
     pub disk: Vec<u8>,
+    image: Option<Image>,
+    /// Bytes per logical block, log2.
     pub block_shift: u8,
+    /// MDTS as reported (transfer limit 2^MDTS pages).
     pub mdts: u8,
     /// Identify Namespace reports NSZE 0 (an inactive namespace).
     pub inactive_namespace: bool,
@@ -87,22 +117,27 @@ pub(crate) struct State {
     pub removed: bool,
     /// DMA allocations made so far, and the one (0-based) that fails, if any.
     pub allocs: usize,
+    /// The allocation that fails (0-based), if any.
     pub fail_alloc: Option<usize>,
     /// CSTS.RDY takes this many CSTS reads to follow CC.EN.
     pub ready_delay: u32,
     /// Opcodes of every command run, per queue id.
     pub log: Vec<(u16, u8)>,
+    /// Flush commands run.
     pub flushes: u64,
     /// Most PRP list pages one command used.
     pub max_list_pages: usize,
     /// Completion queue wraps per queue id.
     pub cq_wraps: BTreeMap<u16, u64>,
+    /// Normal shutdowns (CC.SHN) seen.
     pub shutdowns: u64,
+    /// A write to the image file failed: the error, kept for tests (the command failed).
+    pub image_error: Option<String>,
 }
 
 /// The fake controller; [`Fake::bar`] and [`Fake::dma`] give the driver its two seams.
 #[derive(Clone, Debug)]
-pub(crate) struct Fake(Arc<Mutex<State>>);
+pub struct Fake(Arc<Mutex<State>>);
 
 impl Fake {
     /// A controller with one namespace of `blocks` blocks of 4 KiB, MQES + 1 = `mqes`, four
@@ -132,6 +167,7 @@ impl Fake {
             cqs: BTreeMap::new(),
             max_io_queues: 4,
             disk: vec![0; blocks * PAGE],
+            image: None,
             block_shift: 12,
             mdts: 8,
             inactive_namespace: false,
@@ -146,7 +182,51 @@ impl Fake {
             max_list_pages: 0,
             cq_wraps: BTreeMap::new(),
             shutdowns: 0,
+            image_error: None,
         })))
+    }
+
+    /// A controller like [`Fake::new`] whose namespace is the image file `path` (created, and
+    /// extended to `bytes` if shorter; a multiple of 4 KiB) behind a volatile write cache
+    /// (module docs), with eight I/O queue pairs at most.
+    ///
+    /// # Errors
+    /// Opening or sizing the file.
+    pub fn with_image(path: &Path, bytes: u64, mqes: u32) -> std::io::Result<Fake> {
+        let bytes_usize = usize::try_from(bytes)
+            .ok()
+            .filter(|b| *b > 0 && b.is_multiple_of(PAGE))
+            .ok_or_else(|| {
+                std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    format!("image size {bytes} is not a positive multiple of 4096"),
+                )
+            })?;
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)?;
+        if file.metadata()?.len() < bytes {
+            file.set_len(bytes)?;
+        }
+        let fake = Fake::new(0, mqes);
+        {
+            let mut s = fake.state();
+            s.max_io_queues = 8;
+            s.image = Some(Image {
+                file,
+                bytes: bytes_usize,
+                cache: BTreeMap::new(),
+            });
+        }
+        Ok(fake)
+    }
+
+    /// Blocks written and not yet destaged to the image file.
+    pub fn cached_blocks(&self) -> usize {
+        self.state().image.as_ref().map_or(0, |i| i.cache.len())
     }
 
     /// The state, for tests to read or change.
@@ -179,10 +259,64 @@ impl Fake {
 }
 
 /// The fake's registers.
-pub(crate) struct FakeBar(Fake);
+#[derive(Debug)]
+pub struct FakeBar(Fake);
 
 /// The fake's DMA allocator: real pinned memory at increasing IOVAs (never reused).
-pub(crate) struct FakeDma(Fake);
+#[derive(Debug)]
+pub struct FakeDma(Fake);
+
+/// Opens a fresh fake controller over an image file each time (what a store location over a
+/// fake namespace uses): `name` is `fake:<image path>`.
+#[derive(Clone, Debug)]
+pub struct FakeOpener {
+    /// The image file.
+    pub image: PathBuf,
+    /// Its size in bytes (a multiple of 4 KiB).
+    pub bytes: u64,
+    /// Options of each controller brought up.
+    pub options: ControllerOptions,
+}
+
+impl FakeOpener {
+    /// An opener over `image` of `bytes` bytes, with queues of 256 entries (eight pairs) and
+    /// 5 s command deadlines.
+    pub fn new(image: &Path, bytes: u64) -> FakeOpener {
+        FakeOpener {
+            image: image.to_path_buf(),
+            bytes,
+            options: ControllerOptions {
+                io_queues: 8,
+                ..ControllerOptions::default()
+            },
+        }
+    }
+}
+
+impl NvmeOpener for FakeOpener {
+    fn name(&self) -> String {
+        format!("fake:{}", self.image.display())
+    }
+
+    fn lock_path(&self) -> Option<PathBuf> {
+        // The directory holding the image (which need not exist yet).
+        Some(
+            self.image
+                .parent()
+                .filter(|d| !d.as_os_str().is_empty())
+                .map_or_else(|| PathBuf::from("."), Path::to_path_buf),
+        )
+    }
+
+    fn open(&self) -> Result<Arc<dyn NvmeNamespace>, Error> {
+        let fake = Fake::with_image(&self.image, self.bytes, 256).map_err(|e| Error::Vfio {
+            what: "fake controller image",
+            reason: format!("{}: {e}", self.image.display()),
+        })?;
+        let ctrl = Controller::new(fake.bar(), fake.dma(), self.options)?;
+        Ok(Arc::new(NvmeShared::new(ctrl, self.name())?))
+    }
+}
 
 const BAR_BYTES: usize = 0x2000;
 
@@ -323,6 +457,75 @@ const INVALID_QSIZE: Status = specific(0x02);
 const INVALID_DELETION: Status = specific(0x0C);
 
 impl State {
+    /// Bytes of namespace 1.
+    fn namespace_bytes(&self) -> usize {
+        self.image.as_ref().map_or(self.disk.len(), |i| i.bytes)
+    }
+
+    /// Writes every cached block to the image file (Flush, shutdown, a full cache).
+    fn destage(&mut self) -> Result<(), Status> {
+        let block = 1usize << self.block_shift;
+        let Some(img) = self.image.as_mut() else {
+            return Ok(());
+        };
+        for (index, data) in std::mem::take(&mut img.cache) {
+            if let Err(e) = img.file.write_all_at(&data, (index * block) as u64) {
+                self.image_error = Some(e.to_string());
+                return Err(DATA_TRANSFER);
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads `out.len()` bytes of the namespace at byte `at` (whole blocks).
+    fn media_read(&mut self, at: usize, out: &mut [u8]) -> Result<(), Status> {
+        let block = 1usize << self.block_shift;
+        let Some(img) = self.image.as_ref() else {
+            let src = self.disk.get(at..at + out.len()).ok_or(LBA_RANGE)?;
+            out.copy_from_slice(src);
+            return Ok(());
+        };
+        for (i, chunk) in out.chunks_mut(block).enumerate() {
+            let index = at / block + i;
+            if let Some(data) = img.cache.get(&index) {
+                chunk.copy_from_slice(data.get(..chunk.len()).ok_or(DATA_TRANSFER)?);
+                continue;
+            }
+            chunk.fill(0);
+            let mut done = 0;
+            while done < chunk.len() {
+                match img
+                    .file
+                    .read_at(&mut chunk[done..], (index * block + done) as u64)
+                {
+                    Ok(0) => break, // beyond the file's end: zeros
+                    Ok(n) => done += n,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(_) => return Err(DATA_TRANSFER),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes `data` (whole blocks) at byte `at` of the namespace: into the write cache when
+    /// the namespace is an image.
+    fn media_write(&mut self, at: usize, data: &[u8]) -> Result<(), Status> {
+        let block = 1usize << self.block_shift;
+        let Some(img) = self.image.as_mut() else {
+            let dst = self.disk.get_mut(at..at + data.len()).ok_or(LBA_RANGE)?;
+            dst.copy_from_slice(data);
+            return Ok(());
+        };
+        for (i, chunk) in data.chunks(block).enumerate() {
+            img.cache.insert(at / block + i, chunk.to_vec());
+        }
+        if img.cache.len() > WRITE_CACHE_BLOCKS {
+            self.destage()?;
+        }
+        Ok(())
+    }
+
     fn write_cc(&mut self, value: u32) {
         let old = ControllerConfig::decode(self.cc);
         let new = ControllerConfig::decode(value);
@@ -372,6 +575,10 @@ impl State {
         }
         if new.enable && new.shutdown != Shutdown::None && old.shutdown == Shutdown::None {
             self.shutdowns += 1;
+            // A normal shutdown writes the volatile cache back (§7.6.2).
+            if self.destage().is_err() {
+                log::error!("fake NVMe: destaging the write cache at shutdown failed");
+            }
             let status = ControllerStatus {
                 flags: CstsFlags::from_bits_truncate(self.csts),
                 shutdown: Shutdown::AbruptOrComplete,
@@ -624,7 +831,7 @@ impl State {
         let blocks = if self.inactive_namespace {
             0
         } else {
-            (self.disk.len() >> self.block_shift) as u64
+            (self.namespace_bytes() >> self.block_shift) as u64
         };
         ns.nsze = U64::new(blocks);
         ns.ncap = U64::new(blocks);
@@ -683,11 +890,12 @@ impl State {
         match cmd.opcode() {
             nvm_opcode::FLUSH => {
                 self.flushes += 1;
+                self.destage()?;
                 Ok(0)
             }
             op @ (nvm_opcode::READ | nvm_opcode::WRITE) => {
                 let block = 1usize << self.block_shift;
-                let total = self.disk.len() / block;
+                let total = self.namespace_bytes() / block;
                 let (slba, blocks) = (cmd.slba(), cmd.blocks() as usize);
                 let start = usize::try_from(slba).map_err(|_| LBA_RANGE)?;
                 if start.checked_add(blocks).is_none_or(|end| end > total) {
@@ -701,11 +909,11 @@ impl State {
                     let range = at + i * PAGE..at + ((i + 1) * PAGE).min(bytes);
                     let len = range.len();
                     if op == nvm_opcode::READ {
-                        page[..len].copy_from_slice(&self.disk[range]);
+                        self.media_read(range.start, &mut page[..len])?;
                         self.dma_write(iova, &page[..len])?;
                     } else {
                         self.dma_read(iova, &mut page[..len])?;
-                        self.disk[range].copy_from_slice(&page[..len]);
+                        self.media_write(range.start, &page[..len])?;
                     }
                 }
                 Ok(0)

@@ -31,8 +31,8 @@ mod queue;
 #[cfg(feature = "vfio")]
 pub mod vfio;
 
-#[cfg(test)]
-pub(crate) mod fake;
+#[cfg(any(test, feature = "fake-nvme"))]
+pub mod fake;
 #[cfg(test)]
 mod tests;
 

@@ -19,8 +19,9 @@ use std::sync::Arc;
 use nix::sys::mman::{self, MapFlags, ProtFlags};
 use vfio_ioctls::{VfioContainer, VfioDevice, VfioOps};
 
-use super::{Dma, DmaRegion, Registers};
+use super::{Controller, ControllerOptions, Dma, DmaRegion, Registers};
 use crate::Error;
+use crate::blockio::{NvmeNamespace, NvmeOpener, NvmeShared};
 use crate::pinned::{HugePages, Locking, PinnedOptions, PinnedRegion};
 
 /// `VFIO_PCI_BAR0_REGION_INDEX` (`include/uapi/linux/vfio.h`).
@@ -307,10 +308,55 @@ pub fn open(address: &str) -> Result<(VfioBar, VfioDma), Error> {
     Ok((bar, dma))
 }
 
+/// Opens the NVMe controller at a PCI address through VFIO and brings it up: the store
+/// location `vfio:<pci-address>`.
+#[derive(Clone, Debug)]
+pub struct VfioOpener {
+    /// `DDDD:BB:DD.F`, the device bound to `vfio-pci`.
+    pub address: String,
+    /// Options of the bring-up (namespace, queues, deadlines).
+    pub options: ControllerOptions,
+}
+
+impl VfioOpener {
+    /// An opener of namespace 1 of the controller at `address`, with eight I/O queue pairs of
+    /// 256 entries. The address is checked now.
+    ///
+    /// # Errors
+    /// [`Error::Vfio`] for a malformed address.
+    pub fn new(address: &str) -> Result<VfioOpener, Error> {
+        sysfs_path(address)?;
+        Ok(VfioOpener {
+            address: address.to_owned(),
+            options: ControllerOptions {
+                io_queues: 8,
+                ..ControllerOptions::default()
+            },
+        })
+    }
+}
+
+impl NvmeOpener for VfioOpener {
+    fn name(&self) -> String {
+        format!("vfio:{}", self.address)
+    }
+
+    fn lock_path(&self) -> Option<PathBuf> {
+        // The VFIO group is the lock: a second open of /dev/vfio/<group> fails with EBUSY.
+        None
+    }
+
+    fn open(&self) -> Result<Arc<dyn NvmeNamespace>, Error> {
+        let (bar, dma) = open(&self.address)?;
+        let ctrl = Controller::new(bar, dma, self.options)?;
+        Ok(Arc::new(NvmeShared::new(ctrl, self.name())?))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::nvme::{Controller, ControllerOptions, DmaSlice, IoKind, IoRequest};
+    use crate::nvme::{DmaSlice, IoKind, IoRequest};
     use kvstack_firmware_interface::nvme::PAGE;
 
     #[test]
@@ -667,7 +713,7 @@ mod tests {
             let r = e.submit(o).unwrap_err();
             assert!(r.error.to_string().contains(why), "{}", r.error);
         }
-        assert_eq!(e.controller().stats().errors, 0);
+        assert_eq!(e.controller_stats().errors, 0);
         drop(e);
         assert_eq!(pool.available(), 8);
     }
@@ -724,6 +770,21 @@ mod tests {
             "| 16 | {n} | {:.1} | - | - | {:.0} |",
             qd16.as_secs_f64() * 1e6 / n as f64,
             n as f64 / qd16.as_secs_f64()
+        );
+    }
+
+    #[test]
+    #[ignore = "measurement in the QEMU rig: KVSTACK_VFIO_RIG_BENCH=1 scripts/vfio-rig"]
+    fn bench_vfio_engine() {
+        let Some(address) = device() else {
+            return;
+        };
+        let ns = VfioOpener::new(&address).unwrap().open().unwrap();
+        let target = crate::blockio::IoTarget::Namespace(ns.target());
+        crate::blockio::bench::measure(
+            |_| ns.engine(64, 128 << 10).unwrap(),
+            &target,
+            "userspace NVMe (VFIO)",
         );
     }
 }

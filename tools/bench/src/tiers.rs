@@ -53,6 +53,10 @@ pub struct TiersBenchOptions {
     pub fio: bool,
     /// Alternating fio / store runs of the SSD measurements; the best of each counts.
     pub repetitions: usize,
+    /// The store's I/O engine (`--io-engine`; [`StoreOptions::set_io_engine`]): with
+    /// `vfio:<pci-address>` the store is that NVMe namespace, driven by the userspace driver,
+    /// while fio still measures a file in `dir` (a different device unless `dir` is on it).
+    pub io_engine: Option<String>,
 }
 
 impl TiersBenchOptions {
@@ -67,6 +71,7 @@ impl TiersBenchOptions {
             queue_depth: 16,
             fio: true,
             repetitions: 2,
+            io_engine: None,
         }
     }
 }
@@ -438,6 +443,10 @@ fn bench_in(
         .max(8 * store_opts.segment_bytes)
         .next_multiple_of(store_opts.segment_bytes);
     store_opts.max_unit_blocks = store_opts.max_unit_blocks.max(blocks_per_unit as usize);
+    if let Some(e) = &opts.io_engine {
+        store_opts.set_io_engine(e)?;
+    }
+    let on_namespace = matches!(store_opts.location, StoreLocation::Namespace(_));
     let mut tier_opts = TierOptions::new(store_opts.clone());
     let mut pool_opts = PoolOptions::new(1);
     pool_opts.capacity_bytes = Some(64 << 20);
@@ -448,6 +457,14 @@ fn bench_in(
     let record = record_len((kv_block + 4 * 256) as u64);
     let engine = tiers.store().engine().clone();
     let mut notes = Vec::new();
+    if on_namespace {
+        notes.push(format!(
+            "the store ran on {} through the userspace NVMe driver; fio measured a file in {}, \
+             which is another device unless that directory is on it",
+            store_opts.location.path().display(),
+            opts.dir.display()
+        ));
+    }
     if !engine.direct {
         notes.push(
             "the data directory refuses O_DIRECT: the store ran buffered (page cache) and fio's \

@@ -172,6 +172,7 @@ struct PoolFile {
 struct SsdFile {
     capacity_bytes: Option<u64>,
     retention_hours: Option<u64>,
+    io_engine: Option<String>,
 }
 
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -297,6 +298,10 @@ pub struct Config {
     pub pool_remote: Option<kvstack_tiers::RedisOptions>,
     /// SSD store capacity; `None`: the store's default.
     pub ssd_capacity_bytes: Option<u64>,
+    /// `ssd.io_engine`: the store's I/O engine (`auto`, `io_uring`, `sync`, `sync-direct`, or
+    /// `vfio:<pci-address>`, which puts the store on that NVMe namespace instead of
+    /// `data_dir`); checked, applied by [`kvstack_tiers::StoreOptions::set_io_engine`].
+    pub ssd_io_engine: Option<String>,
     /// Units retained at least this long after last use.
     pub ssd_retention_hours: u64,
     /// SIGTERM: running requests get this long to finish.
@@ -530,6 +535,18 @@ impl Config {
             }
             Some(b) => Some(b),
         };
+        let ssd_io_engine = match &f.ssd.io_engine {
+            None => None,
+            Some(v) => {
+                let mut probe = kvstack_tiers::StoreOptions::new(
+                    kvstack_tiers::StoreLocation::Directory(PathBuf::new()),
+                );
+                probe
+                    .set_io_engine(v)
+                    .map_err(|e| bad("ssd.io_engine", e.to_string()))?;
+                Some(v.clone())
+            }
+        };
         let ssd_retention_hours = range(
             "ssd.retention_hours",
             f.ssd.retention_hours,
@@ -557,6 +574,7 @@ impl Config {
             pool_ttl_ms,
             pool_remote,
             ssd_capacity_bytes,
+            ssd_io_engine,
             ssd_retention_hours,
             drain_timeout_ms,
             tenants,
@@ -903,6 +921,7 @@ mod tests {
         assert_eq!(c.engine.chunk, 256);
         assert_eq!(c.limits.max_tokens, 4096);
         assert_eq!(c.ssd_retention_hours, 72);
+        assert_eq!(c.ssd_io_engine, None);
         assert_eq!(c.pool_capacity_bytes, None);
         assert_eq!(c.model, ModelChoice::Builtin { seed: 0 });
         assert_eq!(c.data_dir, PathBuf::from(DEFAULT_DATA_DIR));
@@ -921,6 +940,30 @@ mod tests {
             ("kvstack:", 500, 1000)
         );
         assert_eq!((r.retry_ms, r.local_level), (1000, true));
+    }
+
+    #[test]
+    fn ssd_io_engine_puts_the_store_on_a_vfio_namespace() {
+        let c = Config::from_toml_str("[ssd]\nio_engine = \"vfio:0000:00:04.0\"", "t")
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(c.ssd_io_engine.as_deref(), Some("vfio:0000:00:04.0"));
+        let opts = service_options_store(&c);
+        assert_eq!(
+            opts.location.path(),
+            std::path::Path::new("vfio:0000:00:04.0")
+        );
+        let c = Config::from_toml_str("[ssd]\nio_engine = \"sync\"", "t")
+            .unwrap_or_else(|e| panic!("{e}"));
+        let opts = service_options_store(&c);
+        assert_eq!(format!("{:?}", opts.engine), "SyncBuffered");
+    }
+
+    /// The store options the daemon opens with `c`.
+    fn service_options_store(c: &Config) -> kvstack_tiers::StoreOptions {
+        crate::service_options(c)
+            .tiers
+            .unwrap_or_else(|| panic!("no tiers"))
+            .store
     }
 
     #[test]
@@ -968,6 +1011,8 @@ mod tests {
                 "window_pool.redis_node_id",
             ),
             ("[cluster]\npeer_secret = \"0123456789abcdef\"", "cluster"),
+            ("[ssd]\nio_engine = \"spdk\"", "ssd.io_engine"),
+            ("[ssd]\nio_engine = \"vfio:00:04.0\"", "ssd.io_engine"),
             (
                 "[window_pool]\nbackend = \"redis-cluster\"\nredis_nodes = [\"redis://a:1\"]\nredis_node_id = \"a\"\n[cluster]\npeer_secret = \"short\"",
                 "cluster.peer_secret",

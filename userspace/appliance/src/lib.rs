@@ -156,6 +156,12 @@ pub fn service_options(cfg: &Config) -> ServiceOptions {
     if let Some(b) = cfg.ssd_capacity_bytes {
         store.capacity_bytes = b;
     }
+    if let Some(e) = &cfg.ssd_io_engine
+        && let Err(err) = store.set_io_engine(e)
+    {
+        // Checked when the configuration was read: unreachable with a loaded Config.
+        log::error!("ssd.io_engine {e}: {err}");
+    }
     store.retention_ms = cfg.ssd_retention_hours * kvstack_tiers::HOUR_MS;
     let mut tiers = TierOptions::new(store);
     tiers.pool = PoolOptions {

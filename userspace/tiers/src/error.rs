@@ -21,6 +21,16 @@ pub enum Error {
         source: std::io::Error,
     },
 
+    /// Bringing up the NVMe controller of a namespace location failed.
+    #[error("NVMe namespace {location}")]
+    Nvme {
+        /// The location (`vfio:<pci-address>`).
+        location: String,
+        /// The driver's error.
+        #[source]
+        source: kvstack_driver::Error,
+    },
+
     /// Pinned memory or a buffer pool of the tiers could not be set up.
     #[error("cannot set up pinned memory")]
     Memory(#[source] kvstack_driver::Error),

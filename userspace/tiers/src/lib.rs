@@ -38,7 +38,7 @@ pub use external::{Pinned, UnitData, UnitRead};
 pub use key::{ModelFingerprint, Tenant};
 pub use redis_pool::{RedisOptions, RedisPool, RemoteHealth, RemoteStats};
 pub use scan::Damage;
-pub use segment::StoreLocation;
+pub use segment::{NamespaceLocation, StoreLocation};
 pub use store::{
     BlockSource, DeleteOutcome, DeleteTicket, ReadOutcome, ReclaimReport, RecoveryReport, SsdStore,
     StoreHit, StoreHooks, StoreOptions, StoreStats, UnitTicket, UnitWrite,

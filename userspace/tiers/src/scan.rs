@@ -15,11 +15,9 @@
 //! crash) and is discarded quietly; damage followed by valid records is reported with its
 //! location.
 
-use std::fs::File;
 use std::path::PathBuf;
-use std::sync::Arc;
 
-use kvstack_driver::blockio::{BlockEngine, BufferPool, Completion, IoOp, OpKind};
+use kvstack_driver::blockio::{BlockEngine, BufferPool, Completion, IoOp, IoTarget, OpKind};
 use kvstack_firmware_interface::record::{
     ALIGN, Key, RecordHeader, RecordKind, SEGMENT_HEADER_PAGE, SegmentHeader, commit_keys,
 };
@@ -84,7 +82,7 @@ pub struct SegmentScan {
 struct ChunkReader<'a> {
     engine: &'a mut dyn BlockEngine,
     pool: &'a BufferPool,
-    file: Arc<File>,
+    target: IoTarget,
     base: u64,
     len: u64,
     /// Next chunk offset to submit (relative).
@@ -104,7 +102,7 @@ impl<'a> ChunkReader<'a> {
     fn new(
         engine: &'a mut dyn BlockEngine,
         pool: &'a BufferPool,
-        file: Arc<File>,
+        target: IoTarget,
         base: u64,
         len: u64,
         start: u64,
@@ -112,7 +110,7 @@ impl<'a> ChunkReader<'a> {
         ChunkReader {
             engine,
             pool,
-            file,
+            target,
             base,
             len,
             next_submit: start,
@@ -142,7 +140,7 @@ impl<'a> ChunkReader<'a> {
             let n = self.chunk().min(self.len - self.next_submit);
             let op = IoOp {
                 kind: OpKind::Read,
-                target: Arc::clone(&self.file).into(),
+                target: self.target.clone(),
                 offset: self.base + self.next_submit,
                 len: n as usize,
                 buf,
@@ -238,7 +236,7 @@ pub(crate) fn scan_segment(
     engine: &mut dyn BlockEngine,
     pool: &BufferPool,
     path: PathBuf,
-    file: Arc<File>,
+    target: IoTarget,
     slot: u64,
     base: u64,
     bytes: u64,
@@ -256,7 +254,11 @@ pub(crate) fn scan_segment(
         bytes_read: 0,
     };
     let page = ALIGN as u64;
-    let mut reader = ChunkReader::new(engine, pool, Arc::clone(&file), base, bytes, 0);
+    // A device slot's header page is read alone first: most slots of a large device are
+    // free, and reading their whole segment would make recovery scale with the device
+    // instead of the data. The rest is read once the header is valid.
+    let first = if device { page.min(bytes) } else { bytes };
+    let mut reader = ChunkReader::new(engine, pool, target, base, first, 0);
     if !reader.fill(0, page) {
         let (read, err) = reader.finish();
         scan.bytes_read = read;

@@ -13,6 +13,13 @@
 //! - writing every unit again heals the store (also across a restart), and those writes never
 //!   make old bytes reappear as new damage.
 //!
+//! With `KVSTACK_TIERS_IO=nvme-fake` (or `vfio:<pci-address>`) the stores live on an NVMe
+//! namespace through the userspace NVMe engine, and the damage is done to the namespace's
+//! bytes: bit flips as above, zeroed pages, a zeroed segment header page (a slot that looks
+//! free: the namespace's "deleted file"), and the tail of a slot zeroed from a record on (its
+//! "truncation"). Copies under another name and short files have no namespace equivalent; the
+//! three named tests of the directory layout are skipped there (and say so).
+//!
 //! `KVSTACK_DAMAGE_CASES=N` runs N cases (default 24; each case is one seed, printed on
 //! failure), e.g.
 //! `KVSTACK_DAMAGE_CASES=500 cargo test -p kvstack-tiers --test tiers_damage -- --nocapture`.
@@ -84,7 +91,11 @@ fn segment_files(dir: &Path) -> Vec<PathBuf> {
 /// Records of a segment file as written: (offset, kind, length), walking valid headers from
 /// the first record.
 fn records_of(path: &Path) -> Vec<(u64, RecordKind, u64)> {
-    let bytes = std::fs::read(path).unwrap();
+    records_in(&std::fs::read(path).unwrap())
+}
+
+/// Records of a segment's bytes (see [`records_of`]).
+fn records_in(bytes: &[u8]) -> Vec<(u64, RecordKind, u64)> {
     let mut out = Vec::new();
     let mut off = ALIGN;
     while off + ALIGN <= bytes.len() {
@@ -120,8 +131,103 @@ fn flip(path: &Path, offset: u64, bit: u8) {
     }
 }
 
+/// Segment slots of a namespace store of `opts`: (slot, bytes) of every slot whose header
+/// page is not zero.
+fn used_slots(dir: &Path, opts: &StoreOptions) -> Vec<(u64, Vec<u8>)> {
+    let seg = opts.segment_bytes;
+    let slots = opts.capacity_bytes / seg;
+    let all = raw_read(dir, 0, (slots * seg) as usize);
+    (0..slots)
+        .filter_map(|k| {
+            let bytes = &all[(k * seg) as usize..((k + 1) * seg) as usize];
+            bytes[..ALIGN]
+                .iter()
+                .any(|&b| b != 0)
+                .then(|| (k, bytes.to_vec()))
+        })
+        .collect()
+}
+
+/// One random act of damage to a namespace store; returns its description and whether it
+/// made a segment's slot look free (the namespace's deleted file).
+fn damage_namespace_once(rng: &mut StdRng, dir: &Path, opts: &StoreOptions) -> (String, bool) {
+    let used = used_slots(dir, opts);
+    if used.is_empty() {
+        return ("no segments left".into(), false);
+    }
+    let (slot, bytes) = &used[rng.random_range(0..used.len())];
+    let base = slot * opts.segment_bytes;
+    let size = bytes.len() as u64;
+    let records = records_in(bytes);
+    let written = records
+        .last()
+        .map_or(ALIGN as u64, |(off, _, len)| off + len);
+    let flip = |off: u64, bit: u8| {
+        raw_write(dir, base + off, &[bytes[off as usize] ^ (1 << bit)]);
+    };
+    match rng.random_range(0..8u32) {
+        0 | 1 => {
+            let off = rng.random_range(0..written.min(size).max(1));
+            flip(off, rng.random_range(0..8));
+            (format!("flip slot {slot} byte {off}"), false)
+        }
+        2 => {
+            let (at, span) = match records.is_empty() || rng.random_bool(0.2) {
+                true => (0, 128),
+                false => (records[rng.random_range(0..records.len())].0, 256),
+            };
+            let off = at + rng.random_range(0..span);
+            flip(off, rng.random_range(0..8));
+            (format!("flip slot {slot} header byte {off}"), false)
+        }
+        3 => {
+            let commits: Vec<_> = records
+                .iter()
+                .filter(|r| r.1 == RecordKind::Commit)
+                .collect();
+            if commits.is_empty() {
+                return ("no commit to flip".into(), false);
+            }
+            let (off, _, len) = commits[rng.random_range(0..commits.len())];
+            let at = if rng.random_bool(0.5) {
+                off + rng.random_range(0..256)
+            } else {
+                off + ALIGN as u64 + rng.random_range(0..(len - ALIGN as u64).min(64))
+            };
+            flip(at, rng.random_range(0..8));
+            (format!("flip slot {slot} commit byte {at}"), false)
+        }
+        // The slot's tail zeroed from a page on (a truncated file). Zeros are unwritten space
+        // on a namespace, so records lost this way can vanish silently, as a deleted file's.
+        4 => {
+            let from = rng.random_range(1..size / ALIGN as u64) * ALIGN as u64;
+            raw_write(dir, base + from, &vec![0u8; (size - from) as usize]);
+            (format!("zero slot {slot} from byte {from}"), from < written)
+        }
+        // The header page zeroed: the slot looks free.
+        5 => {
+            raw_write(dir, base, &[0u8; ALIGN]);
+            (format!("free slot {slot}"), true)
+        }
+        // A zeroed 4 KiB page (often a record header, sometimes the segment header).
+        _ => {
+            let pages = size.div_ceil(ALIGN as u64).max(1);
+            let page = if !records.is_empty() && rng.random_bool(0.5) {
+                records[rng.random_range(0..records.len())].0 / ALIGN as u64
+            } else {
+                rng.random_range(0..pages.min(written.div_ceil(ALIGN as u64) + 1))
+            };
+            raw_write(dir, base + page * ALIGN as u64, &[0u8; ALIGN]);
+            (format!("zero slot {slot} page {page}"), page == 0)
+        }
+    }
+}
+
 /// One random act of damage; returns its description and whether it deleted a file.
 fn damage_once(rng: &mut StdRng, dir: &Path) -> (String, bool) {
+    if on_namespace() {
+        return damage_namespace_once(rng, dir, &damage_opts(dir));
+    }
     let files = segment_files(dir);
     if files.is_empty() {
         return ("no files left".into(), false);
@@ -308,11 +414,17 @@ fn run_case(case: u64) {
         "{ctx}: the read-only open changed the store"
     );
     // Every segment file is accounted for: a valid segment, an invalid one (reported), or an
-    // empty file (a segment created just before a crash, before its header was written).
-    let files = segment_files(dir.path());
-    let empty = files.iter().filter(|p| is_empty_segment(p)).count() as u64;
+    // empty file (a segment created just before a crash, before its header was written). On a
+    // namespace: every slot whose header page is not zero.
+    let (listed, empty) = if on_namespace() {
+        (used_slots(dir.path(), &opts).len() as u64, 0)
+    } else {
+        let files = segment_files(dir.path());
+        let empty = files.iter().filter(|p| is_empty_segment(p)).count() as u64;
+        (files.len() as u64, empty)
+    };
     assert_eq!(
-        files.len() as u64 - empty,
+        listed - empty,
         report.segments + report.invalid_segments.len() as u64,
         "{ctx}: segment files unaccounted for (invalid: {:?})",
         report.invalid_segments
@@ -364,10 +476,20 @@ fn run_case(case: u64) {
     rw.check_index().unwrap_or_else(|e| panic!("{ctx}: {e}"));
     rw.close().unwrap();
     let healed = fsck(&opts).unwrap();
-    let new_damage: Vec<_> = places(&healed)
-        .difference(&places(&report))
-        .cloned()
-        .collect();
+    // On a namespace, a freed slot that the healing writes reuse keeps its earlier life's
+    // bytes after the new records, which the scan reports as a torn tail (discarded quietly,
+    // never served): only damage counts there.
+    let seen = |r: &FsckReport| {
+        if on_namespace() {
+            r.damaged
+                .iter()
+                .map(|d| (d.path.clone(), d.offset))
+                .collect()
+        } else {
+            places(r)
+        }
+    };
+    let new_damage: Vec<_> = seen(&healed).difference(&seen(&report)).cloned().collect();
     assert!(
         new_damage.is_empty(),
         "{ctx}: new damage after healing: {new_damage:?}"
@@ -412,6 +534,15 @@ fn damage_campaign_regressions() {
     }
 }
 
+/// The directory layout's own damage (file names, file sizes): nothing to test on a namespace.
+fn skip_on_namespace() -> bool {
+    let skip = on_namespace();
+    if skip {
+        eprintln!("skipped: a segment-file test, and the stores are on an NVMe namespace");
+    }
+    skip
+}
+
 fn written_store(dir: &Path, clock: &Arc<ManualClock>, t: &Tenant) -> Vec<Vec<u32>> {
     let mut rng = StdRng::seed_from_u64(7);
     let units = campaign_units(&mut rng, 7, 30);
@@ -425,6 +556,9 @@ fn written_store(dir: &Path, clock: &Arc<ManualClock>, t: &Tenant) -> Vec<Vec<u3
 
 #[test]
 fn a_segment_copied_under_an_unused_name_is_never_reused() {
+    if skip_on_namespace() {
+        return;
+    }
     let dir = TempDir::new("copied-segment");
     let opts = damage_opts(dir.path());
     let clock = Arc::new(ManualClock::new(1_700_000_000_000));
@@ -465,6 +599,9 @@ fn a_segment_copied_under_an_unused_name_is_never_reused() {
 
 #[test]
 fn a_zeroed_segment_header_is_reported_and_the_file_kept() {
+    if skip_on_namespace() {
+        return;
+    }
     let dir = TempDir::new("zeroed-header");
     let opts = damage_opts(dir.path());
     let clock = Arc::new(ManualClock::new(1_700_000_000_000));
@@ -507,6 +644,9 @@ fn a_zeroed_segment_header_is_reported_and_the_file_kept() {
 /// leaves an empty file, which fsck reported as an invalid segment.
 #[test]
 fn an_empty_segment_file_is_a_crash_leftover_and_a_short_one_is_damage() {
+    if skip_on_namespace() {
+        return;
+    }
     let dir = TempDir::new("empty-segment");
     let opts = damage_opts(dir.path());
     let clock = Arc::new(ManualClock::new(1_700_000_000_000));

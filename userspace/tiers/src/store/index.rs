@@ -13,7 +13,7 @@ use super::SsdStore;
 use super::options::{RecoveryReport, StoreOptions};
 use super::put::{Job, UnitJob};
 use crate::clock::Clock;
-use crate::segment::{SegmentFile, Space};
+use crate::segment::{NsMedia, SegmentFile, Space};
 use crate::{Error, Result};
 
 /// Where a record lives.
@@ -197,6 +197,8 @@ pub(super) struct Shared {
     pub(super) jobs: Mutex<Option<mpsc::Sender<Job>>>,
     pub(super) choice: EngineChoice,
     pub(super) read_preference: EnginePreference,
+    /// The namespace of a namespace location: every engine is made on its controller.
+    pub(super) namespace: Option<Arc<NsMedia>>,
     pub(super) readers: Mutex<Vec<ReadCtx>>,
     /// Payload buffers the writer has finished with, reused by `put_unit`: a fresh 230 KB
     /// allocation per block is a fresh mapping whose pages fault in one by one (and whose

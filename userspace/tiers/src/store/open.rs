@@ -19,7 +19,7 @@ use super::options::{RecoveryReport, StoreOptions};
 use super::writer::{Purpose, Writer};
 use crate::clock::Clock;
 use crate::scan::{SegmentScan, scan_segment};
-use crate::segment::{SegmentFile, Space, StoreLocation};
+use crate::segment::{Media, NsMedia, SegmentFile, Space, StoreLocation};
 use crate::{Error, Result};
 
 pub(super) fn new_store_id(clock: &dyn Clock) -> [u8; 16] {
@@ -35,14 +35,35 @@ pub(super) fn new_store_id(clock: &dyn Clock) -> [u8; 16] {
     out
 }
 
-/// Chooses the engine and builds a buffer pool for it.
+/// Chooses the engine and builds a buffer pool for it: on a namespace, an engine on its
+/// controller; otherwise as the preference and the probes say.
 pub(super) fn engine_for(
     opts: &StoreOptions,
+    namespace: Option<&NsMedia>,
     slots: usize,
     slot_bytes: usize,
     preference: EnginePreference,
 ) -> Result<(Box<dyn BlockEngine>, BufferPool, EngineChoice)> {
     let pool = BufferPool::new(slots, slot_bytes, opts.memory).map_err(Error::Memory)?;
+    if let Some(ns) = namespace {
+        let engine = ns
+            .ns
+            .engine(slots, slot_bytes)
+            .map_err(|source| Error::Nvme {
+                location: opts.location.path().display().to_string(),
+                source,
+            })?;
+        let choice = EngineChoice {
+            kind: engine.kind(),
+            direct: engine.direct(),
+            registered: engine.registered(),
+            reason: format!(
+                "configured: the userspace NVMe driver on {}",
+                ns.ns.describe()
+            ),
+        };
+        return Ok((engine, pool, choice));
+    }
     let dir = opts.location.probe_dir();
     let (engine, choice) = choose_engine(&dir, slots, &pool, preference)
         .map_err(|e| Error::io("cannot set up block I/O for", &dir, e))?;
@@ -54,6 +75,8 @@ pub(super) fn engine_for(
 pub(super) fn preference_of(choice: &EngineChoice) -> EnginePreference {
     match (choice.kind, choice.direct) {
         (kvstack_driver::blockio::EngineKind::Uring, _) => EnginePreference::Uring,
+        // The location decides (the namespace's engines).
+        (kvstack_driver::blockio::EngineKind::Nvme, _) => EnginePreference::Auto,
         (_, true) => EnginePreference::SyncDirect,
         (_, false) => EnginePreference::SyncBuffered,
     }
@@ -71,23 +94,53 @@ pub(crate) struct LocationScan {
 /// in which case directory files without a valid segment header are removed).
 pub(crate) fn scan_location(opts: &StoreOptions) -> Result<LocationScan> {
     let start = Instant::now();
-    // Scans read large chunks; four in flight.
+    // Scans read large chunks; four in flight (on a namespace, of at most one command's
+    // transfer).
     let chunk = (8usize << 20).max(opts.io_buffer_bytes());
-    let (mut engine, pool, choice) = engine_for(opts, 4, chunk, opts.engine)?;
-    let mut space = Space::open(
-        &opts.location,
-        opts.segment_bytes,
-        opts.capacity_bytes,
-        choice.direct,
-        opts.read_only,
-    )?;
+    let (mut engine, pool, choice, mut space) = if let StoreLocation::Namespace(_) = &opts.location
+    {
+        // The namespace is brought up by the space, under the location's lock.
+        let space = Space::open(
+            &opts.location,
+            opts.segment_bytes,
+            opts.capacity_bytes,
+            true,
+            opts.read_only,
+        )?;
+        let ns = space.namespace();
+        let max = ns.as_ref().map_or(chunk, |n| n.ns.max_bytes());
+        if opts.io_buffer_bytes() > max {
+            return Err(Error::InvalidOption {
+                field: "max_block_payload",
+                reason: format!(
+                    "records of up to {} bytes do not fit one NVMe command of at most {max} \
+                         bytes on {}",
+                    opts.io_buffer_bytes(),
+                    opts.location.path().display()
+                ),
+            });
+        }
+        let (engine, pool, choice) =
+            engine_for(opts, ns.as_deref(), 4, chunk.min(max), opts.engine)?;
+        (engine, pool, choice, space)
+    } else {
+        let (engine, pool, choice) = engine_for(opts, None, 4, chunk, opts.engine)?;
+        let space = Space::open(
+            &opts.location,
+            opts.segment_bytes,
+            opts.capacity_bytes,
+            choice.direct,
+            opts.read_only,
+        )?;
+        (engine, pool, choice, space)
+    };
     let mut scans = Vec::new();
     for slot in space.existing()? {
         let mut scan = scan_segment(
             engine.as_mut(),
             &pool,
             slot.path.clone(),
-            Arc::clone(&slot.file),
+            slot.media.target(),
             slot.slot,
             slot.base,
             slot.bytes.next_multiple_of(ALIGN as u64),
@@ -194,9 +247,9 @@ impl SsdStore {
                 id: h.segment,
                 slot: scan.slot,
                 path: scan.path.clone(),
-                file: open_existing(&space, &scan)?,
-                base: if matches!(opts.location, StoreLocation::Device(_)) {
-                    scan.slot * opts.segment_bytes
+                media: open_existing(&space, &scan)?,
+                base: if !matches!(opts.location, StoreLocation::Directory(_)) {
+                    space.slot_base(scan.slot)
                 } else {
                     0
                 },
@@ -436,6 +489,7 @@ impl SsdStore {
         if let Some(reason) = &exhausted {
             log::error!("store {}: {reason}", opts.location.path().display());
         }
+        let namespace = space.namespace();
         let state = State {
             blocks,
             units,
@@ -463,6 +517,7 @@ impl SsdStore {
         let shared = Arc::new(Shared {
             state: Mutex::new(state),
             read_preference: preference_of(&choice),
+            namespace,
             choice,
             clock,
             jobs: Mutex::new(None),
@@ -481,6 +536,7 @@ impl SsdStore {
             // `queue_depth` writes are in flight, so a completion is refilled at once.
             let (engine, pool, _) = engine_for(
                 &shared.opts,
+                shared.namespace.as_deref(),
                 2 * shared.opts.queue_depth,
                 shared.opts.io_buffer_bytes(),
                 shared.read_preference,
@@ -517,8 +573,11 @@ impl SsdStore {
     }
 }
 
-pub(super) fn open_existing(space: &Space, scan: &SegmentScan) -> Result<Arc<std::fs::File>> {
+pub(super) fn open_existing(space: &Space, scan: &SegmentScan) -> Result<Media> {
     use kvstack_driver::blockio::{OpenMode, open_file};
+    if let Some(ns) = space.namespace() {
+        return Ok(Media::Namespace(ns));
+    }
     let f = open_file(
         &scan.path,
         OpenMode {
@@ -528,5 +587,5 @@ pub(super) fn open_existing(space: &Space, scan: &SegmentScan) -> Result<Arc<std
         },
     )
     .map_err(|e| Error::io("cannot open segment", &scan.path, e))?;
-    Ok(Arc::new(f))
+    Ok(Media::File(Arc::new(f)))
 }

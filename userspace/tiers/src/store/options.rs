@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use crate::clock::HOUR_MS;
 use crate::scan::Damage;
-use crate::segment::StoreLocation;
+use crate::segment::{NamespaceLocation, StoreLocation};
 use crate::{Error, Result};
 
 /// Default retention after last use: 72 hours (spec §7).
@@ -95,6 +95,39 @@ impl StoreOptions {
             memory: PinnedOptions::default(),
             hooks: None,
         }
+    }
+
+    /// Applies an `--io-engine` value (also the appliance's `io_engine` key): `auto`,
+    /// `io_uring`, `sync` (buffered), `sync-direct` choose the file engine for the configured
+    /// location; `vfio:<pci-address>` makes the location namespace 1 of that NVMe controller
+    /// (bound to `vfio-pci`), driven by the userspace driver, in place of the directory or
+    /// device.
+    ///
+    /// # Errors
+    /// [`Error::InvalidOption`] (field `io_engine`) naming the value.
+    pub fn set_io_engine(&mut self, value: &str) -> Result<()> {
+        let bad = |reason: String| Error::InvalidOption {
+            field: "io_engine",
+            reason,
+        };
+        self.engine = match value {
+            "auto" => EnginePreference::Auto,
+            "io_uring" => EnginePreference::Uring,
+            "sync" => EnginePreference::SyncBuffered,
+            "sync-direct" => EnginePreference::SyncDirect,
+            v => {
+                let Some(address) = v.strip_prefix("vfio:") else {
+                    return Err(bad(format!(
+                        "`{v}` is none of auto, io_uring, sync, sync-direct, vfio:<pci-address>"
+                    )));
+                };
+                let opener = kvstack_driver::nvme::vfio::VfioOpener::new(address)
+                    .map_err(|e| bad(format!("`{v}`: {e}")))?;
+                self.location = StoreLocation::Namespace(NamespaceLocation::new(Arc::new(opener)));
+                EnginePreference::Auto
+            }
+        };
+        Ok(())
     }
 
     /// Bytes of one I/O buffer: the largest record (a full block, or a commit of the longest

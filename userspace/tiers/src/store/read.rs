@@ -161,7 +161,7 @@ impl SsdStore {
                 let (l, seg, _) = &plan[next_submit];
                 let op = IoOp {
                     kind: OpKind::Read,
-                    target: Arc::clone(&seg.file).into(),
+                    target: seg.media.target(),
                     offset: seg.base + l.offset,
                     len: l.len as usize,
                     buf,
@@ -266,6 +266,7 @@ impl SsdStore {
         // overtake the oldest read wait in their buffers while the queue stays full.
         let (engine, pool, _) = engine_for(
             &self.shared.opts,
+            self.shared.namespace.as_deref(),
             2 * self.shared.opts.queue_depth,
             self.shared.opts.io_buffer_bytes(),
             self.shared.read_preference,

@@ -393,7 +393,7 @@ impl Writer {
         self.next_tag += 1;
         let op = IoOp {
             kind: OpKind::Read,
-            target: Arc::clone(&file.file).into(),
+            target: file.media.target(),
             offset: file.base + loc.offset,
             len: loc.len as usize,
             buf,
@@ -667,9 +667,9 @@ pub(super) fn free_retired(st: &mut State, shared: &Shared) {
     // and lose the delete.
     let synced = match &shared.opts.location {
         StoreLocation::Directory(_) => sync_location_dir(&shared.opts.location),
-        StoreLocation::Device(_) => freed.iter().try_for_each(|s| {
-            s.file
-                .sync_data()
+        StoreLocation::Device(_) | StoreLocation::Namespace(_) => freed.iter().try_for_each(|s| {
+            s.media
+                .sync()
                 .map_err(|e| format!("fdatasync of {} failed: {e}", s.path.display()))
         }),
     };

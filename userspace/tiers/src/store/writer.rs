@@ -17,7 +17,7 @@ use super::index::{BlockState, Loc, Shared, State, bump, publish, unpin};
 
 use super::delete::{DeleteOutcome, apply_delete, end_deleting};
 use super::put::{Job, UnitJob, fail_blocks};
-use crate::segment::{SegmentFile, StoreLocation};
+use crate::segment::{Media, SegmentFile, StoreLocation};
 use crate::{Error, Result};
 pub(super) enum Pending {
     Block {
@@ -407,7 +407,7 @@ impl Writer {
         self.next_tag += 1;
         let op = IoOp {
             kind: OpKind::Write,
-            target: Arc::clone(&file.file).into(),
+            target: file.media.target(),
             offset: file.base + offset,
             len: len as usize,
             buf,
@@ -555,11 +555,15 @@ impl Writer {
         let mut seen_files = HashSet::new();
         for (_, seg) in dirty {
             // Device slots share one file: sync it once.
-            if !seen_files.insert(Arc::as_ptr(&seg.file) as usize) {
+            if !seen_files.insert(seg.media.identity()) {
                 continue;
             }
-            if let Err(e) = seg.file.sync_data() {
-                return Some(format!("fdatasync of {} failed: {e}", seg.path.display()));
+            if let Err(e) = seg.media.sync() {
+                return Some(format!(
+                    "{} of {} failed: {e}",
+                    sync_name(&seg),
+                    seg.path.display()
+                ));
             }
         }
         None
@@ -579,11 +583,19 @@ pub(super) struct SyncWork {
     pub(super) flushes: Vec<mpsc::Sender<()>>,
 }
 
+/// What makes a segment's writes durable, for messages.
+fn sync_name(seg: &SegmentFile) -> &'static str {
+    match seg.media {
+        Media::File(_) => "fdatasync",
+        Media::Namespace(_) => "NVMe Flush",
+    }
+}
+
 pub(super) fn sync_location_dir(location: &StoreLocation) -> std::result::Result<(), String> {
     match location {
         StoreLocation::Directory(dir) => kvstack_driver::blockio::sync_dir(dir)
             .map_err(|e| format!("fsync of directory {} failed: {e}", dir.display())),
-        StoreLocation::Device(_) => Ok(()),
+        StoreLocation::Device(_) | StoreLocation::Namespace(_) => Ok(()),
     }
 }
 
@@ -607,11 +619,15 @@ pub(super) fn sync_loop(shared: &Shared, rx: &mpsc::Receiver<SyncWork>) {
         if failure.is_none() {
             let mut seen = HashSet::new();
             for seg in &work.files {
-                if !seen.insert(Arc::as_ptr(&seg.file) as usize) {
+                if !seen.insert(seg.media.identity()) {
                     continue;
                 }
-                if let Err(e) = seg.file.sync_data() {
-                    failure = Some(format!("fdatasync of {} failed: {e}", seg.path.display()));
+                if let Err(e) = seg.media.sync() {
+                    failure = Some(format!(
+                        "{} of {} failed: {e}",
+                        sync_name(seg),
+                        seg.path.display()
+                    ));
                     break;
                 }
             }
@@ -727,7 +743,6 @@ pub(super) fn sync_loop(shared: &Shared, rx: &mpsc::Receiver<SyncWork>) {
 
 /// Writes a segment header page synchronously (segment creation is rare).
 pub(super) fn write_segment_header(file: &SegmentFile, header: &SegmentHeader) -> Result<()> {
-    use std::os::unix::fs::FileExt;
     let mut page = kvstack_driver::pinned::PinnedRegion::new(
         SEGMENT_HEADER_PAGE,
         PinnedOptions {
@@ -739,7 +754,7 @@ pub(super) fn write_segment_header(file: &SegmentFile, header: &SegmentHeader) -
     let bytes = page.as_mut_slice();
     bytes.fill(0);
     bytes[..SegmentHeader::BYTES].copy_from_slice(&header.encode());
-    file.file
-        .write_all_at(&page.as_slice()[..SEGMENT_HEADER_PAGE], file.base)
+    file.media
+        .write_page(&page.as_slice()[..SEGMENT_HEADER_PAGE], file.base)
         .map_err(|e| Error::io("cannot write the header of segment", file.path.clone(), e))
 }

@@ -5,12 +5,16 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use kvstack_driver::blockio::EnginePreference;
+use kvstack_driver::blockio::{
+    BufferPool, EngineKind, EnginePreference, IoOp, IoTarget, NvmeOpener, OpKind,
+};
+use kvstack_driver::nvme::fake::FakeOpener;
+use kvstack_driver::nvme::vfio::VfioOpener;
 use kvstack_driver::pinned::{HugePages, Locking, PinnedOptions};
 use kvstack_tiers::Result;
 use kvstack_tiers::{
-    BlockSource, Clock, DeleteTicket, ModelFingerprint, ReadOutcome, SsdStore, StoreLocation,
-    StoreOptions, Tenant, UnitTicket, UnitWrite,
+    BlockSource, Clock, DeleteTicket, ModelFingerprint, NamespaceLocation, ReadOutcome, SsdStore,
+    StoreLocation, StoreOptions, Tenant, UnitTicket, UnitWrite,
 };
 
 pub const MEM: PinnedOptions = PinnedOptions {
@@ -49,9 +53,175 @@ impl Drop for TempDir {
     }
 }
 
+/// Environment variable choosing the media of the tests' stores (see [`media`]).
+pub const MEDIA_VAR: &str = "KVSTACK_TIERS_IO";
+
+/// Bytes of the fake namespace's image file (sparse: only written blocks take room); a store
+/// uses at most its `capacity_bytes` of it.
+pub const FAKE_NAMESPACE_BYTES: u64 = 1 << 30;
+
+/// Bytes of a real namespace each test directory gets (every store of these tests fits).
+pub const VFIO_REGION_BYTES: u64 = 128 << 20;
+
+/// What the tests' stores live on, from `KVSTACK_TIERS_IO`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Media {
+    /// Unset or `dir`: segment files in the test's directory.
+    Directory,
+    /// `nvme-fake`: namespace 1 of the in-process fake NVMe controller (driven through the
+    /// userspace NVMe engine), over the image file `nvme.img` in the test's directory, behind
+    /// a volatile write cache that only Flush empties.
+    FakeNvme,
+    /// `vfio:<pci-address>`: namespace 1 of a real controller bound to `vfio-pci` (the QEMU
+    /// rig, whose image is new and zeroed at each boot). Each test directory gets its own
+    /// region of [`VFIO_REGION_BYTES`], never used before in this boot (the next one is
+    /// counted in a file in the temporary directory, so processes share the count); one
+    /// controller, so such tests run one at a time (`--test-threads=1`).
+    Vfio(String),
+}
+
+/// The media `KVSTACK_TIERS_IO` names.
+pub fn media() -> Media {
+    match std::env::var(MEDIA_VAR).as_deref() {
+        Err(_) | Ok("" | "dir") => Media::Directory,
+        Ok("nvme-fake") => Media::FakeNvme,
+        Ok(v) => match v.strip_prefix("vfio:") {
+            Some(a) => Media::Vfio(a.to_owned()),
+            None => panic!("{MEDIA_VAR}={v}: expected dir, nvme-fake or vfio:<pci-address>"),
+        },
+    }
+}
+
+/// Whether the stores of this run are on a namespace (segment slots, no segment files).
+pub fn on_namespace() -> bool {
+    media() != Media::Directory
+}
+
+/// The opener of the namespace of `dir`'s stores (namespace media only).
+pub fn namespace_opener(dir: &Path) -> Arc<dyn NvmeOpener> {
+    match media() {
+        Media::Directory => panic!("no namespace: {MEDIA_VAR} is unset"),
+        Media::FakeNvme => Arc::new(FakeOpener::new(&dir.join("nvme.img"), FAKE_NAMESPACE_BYTES)),
+        Media::Vfio(address) => Arc::new(VfioOpener::new(&address).unwrap()),
+    }
+}
+
+/// Byte offset of `dir`'s region of a real namespace: recorded in `dir/nvme-region` when
+/// first asked for, from a count shared by every process of this boot.
+pub fn vfio_region(dir: &Path) -> u64 {
+    let marker = dir.join("nvme-region");
+    if let Ok(text) = std::fs::read_to_string(&marker) {
+        return text.trim().parse().unwrap();
+    }
+    let counter = std::env::temp_dir().join("kvstack-test-nvme-regions");
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&counter)
+        .unwrap();
+    f.lock().unwrap();
+    let mut text = String::new();
+    std::io::Read::read_to_string(&mut &f, &mut text).unwrap();
+    let next: u64 = text.trim().parse().unwrap_or(0);
+    f.set_len(0).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&f, (next + 1).to_string().as_bytes(), 0).unwrap();
+    let offset = next * VFIO_REGION_BYTES;
+    std::fs::write(&marker, offset.to_string()).unwrap();
+    f.unlock().unwrap();
+    offset
+}
+
+/// Byte offset of `dir`'s stores in their namespace (0 for the fake: one image per
+/// directory).
+pub fn namespace_offset(dir: &Path) -> u64 {
+    match media() {
+        Media::Vfio(_) => vfio_region(dir),
+        _ => 0,
+    }
+}
+
+/// The location of the stores of test directory `dir` on the configured media.
+pub fn location(dir: &Path) -> StoreLocation {
+    match media() {
+        Media::Directory => StoreLocation::Directory(dir.to_path_buf()),
+        _ => StoreLocation::Namespace(
+            NamespaceLocation::new(namespace_opener(dir))
+                .at_offset(namespace_offset(dir))
+                .unwrap(),
+        ),
+    }
+}
+
+/// Moves `data` from or to bytes `[start, start + data.len())` of `dir`'s namespace (whole
+/// pages) through an engine of a freshly brought-up controller (no store may be open on it),
+/// one command's transfer at a time; writes are flushed.
+fn raw_io(dir: &Path, kind: OpKind, start: u64, data: &mut [u8]) {
+    let ns = namespace_opener(dir).open().unwrap();
+    let chunk = ns.max_bytes().min(data.len()).max(4096);
+    let mut engine = ns.engine(1, chunk).unwrap();
+    let pool = BufferPool::new(1, chunk, MEM).unwrap();
+    let target = IoTarget::Namespace(ns.target());
+    for (i, part) in data.chunks_mut(chunk).enumerate() {
+        let mut buf = pool.try_get().unwrap();
+        if kind == OpKind::Write {
+            buf.as_mut_slice()[..part.len()].copy_from_slice(part);
+        }
+        engine
+            .submit(IoOp {
+                kind,
+                target: target.clone(),
+                offset: start + (i * chunk) as u64,
+                len: part.len(),
+                buf,
+                tag: 0,
+            })
+            .map_err(|e| e.error)
+            .unwrap();
+        let mut out = Vec::new();
+        engine.wait(1, &mut out).unwrap();
+        let c = out.pop().unwrap();
+        c.result.as_ref().unwrap();
+        if kind == OpKind::Read {
+            part.copy_from_slice(&c.op.buf.as_slice()[..part.len()]);
+        }
+    }
+    if kind == OpKind::Write {
+        engine.flush(&target).unwrap();
+    }
+}
+
+/// Reads `len` bytes at byte `offset` of `dir`'s part of its namespace (whole 4 KiB pages
+/// are read).
+pub fn raw_read(dir: &Path, offset: u64, len: usize) -> Vec<u8> {
+    let offset = offset + namespace_offset(dir);
+    let start = offset / 4096 * 4096;
+    let end = (offset + len as u64).div_ceil(4096) * 4096;
+    let mut data = vec![0u8; (end - start) as usize];
+    raw_io(dir, OpKind::Read, start, &mut data);
+    let s = (offset - start) as usize;
+    data[s..s + len].to_vec()
+}
+
+/// Writes `bytes` at byte `offset` of `dir`'s part of its namespace (read-modify-write of
+/// whole pages), then flushes.
+pub fn raw_write(dir: &Path, offset: u64, bytes: &[u8]) {
+    let offset = offset + namespace_offset(dir);
+    let start = offset / 4096 * 4096;
+    let end = (offset + bytes.len() as u64).div_ceil(4096) * 4096;
+    let mut data = vec![0u8; (end - start) as usize];
+    if start != offset || end != offset + bytes.len() as u64 {
+        raw_io(dir, OpKind::Read, start, &mut data);
+    }
+    let s = (offset - start) as usize;
+    data[s..s + bytes.len()].copy_from_slice(bytes);
+    raw_io(dir, OpKind::Write, start, &mut data);
+}
+
 /// Small segments so tests fill, evict and compact quickly.
 pub fn small_opts(dir: &Path) -> StoreOptions {
-    let mut o = StoreOptions::new(StoreLocation::Directory(dir.to_path_buf()));
+    let mut o = StoreOptions::new(location(dir));
     o.segment_bytes = 256 << 10;
     o.capacity_bytes = 8 * (256 << 10);
     o.max_block_payload = 8192;
@@ -151,8 +321,19 @@ pub fn unit_tokens(family: u32, u: u32, shared: usize, len: usize) -> Vec<u32> {
         .collect()
 }
 
+/// Opens a store; on a namespace, checks that it runs on the userspace NVMe engine.
 pub fn open(opts: StoreOptions, clock: Arc<dyn Clock>) -> SsdStore {
-    SsdStore::open(opts, clock).unwrap()
+    let namespace = matches!(opts.location, StoreLocation::Namespace(_));
+    let store = SsdStore::open(opts, clock).unwrap();
+    if namespace {
+        assert_eq!(
+            store.engine().kind,
+            EngineKind::Nvme,
+            "{:?}",
+            store.engine()
+        );
+    }
+    store
 }
 
 /// Tokens of unit `u` of round `round` in the mixed workloads of the crash and full-store
