@@ -1285,3 +1285,318 @@ fn two_nodes_share_windows_through_redis_cluster() {
     assert_eq!(log.matches("redis cluster unreachable").count(), 1, "{log}");
     assert_eq!(b.stop(), 0);
 }
+
+/// `kvstack_NAME VALUE` of a /metrics text, 0 when absent.
+fn metric(m: &str, name: &str) -> u64 {
+    m.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .map_or(0, |v| v as u64)
+}
+
+/// A completion's generated tokens.
+fn generated(r: &serde_json::Value) -> Vec<u64> {
+    r["choices"][0]["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect()
+}
+
+/// A Redis master killed while kvstackd serves a steady load (docs/cluster.md, "Failure
+/// behaviour"): the cluster fails over to the replica; meanwhile the windows on the dead
+/// master are misses (replayed), every answer is 200 with the tokens the healthy run gave
+/// (never a wrong byte: the conversations are shorter than the window, so a replay is
+/// exact), /readyz stays 200 and says the window pool is down, /metrics counts
+/// the incidents, one warning each; once the replica is promoted the windows come from Redis
+/// again.
+#[test]
+fn a_redis_master_killed_under_load_costs_misses_only() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let Some(mut cluster) = redis_cluster::RedisCluster::start() else {
+        return;
+    };
+    let nodes: Vec<String> = cluster.urls().iter().map(|u| format!("\"{u}\"")).collect();
+    // No DRAM level: every window is read from Redis, so a dead master shows.
+    let pool = format!(
+        "backend = \"redis-cluster\"\nredis_nodes = [{}]\nredis_key_prefix = \"failover:\"\nredis_retry_ms = 1000\nlocal_level = false\nredis_node_id = \"node-a\"",
+        nodes.join(", ")
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start_with(dir.path(), "", None, &[], 1 << 30, &pool);
+    // Four conversations, each held as a unit with its window (in Redis only). They are
+    // shorter than the window (128 tokens), so every way of serving their next turn is exact:
+    // the window from Redis, and the replay a miss costs, which then covers the whole prefix
+    // (spec §7). Any answer but the healthy one is a wrong byte.
+    let req =
+        |p: &[u32]| serde_json::json!({"prompt": p, "max_tokens": 2, "temperature": 0}).to_string();
+    let held: Vec<Vec<u32>> = (0..4u32)
+        .map(|c| {
+            let p: Vec<u32> = (0..60 + 10 * c)
+                .map(|i| (i * (13 + 2 * c) + c) % 250)
+                .collect();
+            let mut ctx = p.clone();
+            ctx.extend(
+                generated(&d.json("/v1/completions", None, &req(&p)))
+                    .iter()
+                    .map(|&t| t as u32),
+            );
+            let n = wait_durable(&d, None, &ctx);
+            ctx.truncate(n as usize);
+            ctx
+        })
+        .collect();
+    let prompts: Vec<Vec<u32>> = held
+        .iter()
+        .map(|h| {
+            let mut t = h.clone();
+            t.extend([3, 1, 4]);
+            t
+        })
+        .collect();
+    // The healthy answers, windows from Redis.
+    let expected: Vec<Vec<u64>> = prompts
+        .iter()
+        .map(|p| {
+            let r = d.json("/v1/completions", None, &req(p));
+            assert_eq!(
+                r["usage"]["kvstack"]["window_source"], "redis-cluster",
+                "{r}"
+            );
+            generated(&r)
+        })
+        .collect();
+
+    // The master holding most of the prompts' windows (at least 2 of the 4).
+    let (_, models) = d.req("GET", "/v1/models", None, "");
+    let models: serde_json::Value = serde_json::from_str(&models).unwrap();
+    let fp = models["data"][0]["kvstack"]["fingerprint"]
+        .as_str()
+        .unwrap();
+    let mut model = [0u8; 32];
+    for (i, b) in model.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&fp[2 * i..2 * i + 2], 16).unwrap();
+    }
+    let model = kvstack_tiers::ModelFingerprint(model);
+    let tenant = kvstack_tiers::Tenant::new("default");
+    let mut opts = kvstack_tiers::RedisOptions::new(cluster.urls());
+    opts.key_prefix = "failover:".into();
+    let namer = kvstack_tiers::RedisPool::new(opts, 1000).unwrap();
+    let holders: Vec<u16> = held
+        .iter()
+        .map(|p| {
+            let keys = kvstack_tiers::key::chain_keys(p, 256, &model, &tenant);
+            let key = namer.value_key(kvstack_tiers::redis_pool::SnapshotId {
+                tenant: tenant.id(),
+                model: &model,
+                key: keys.last().unwrap(),
+            });
+            cluster
+                .holder_of(&key)
+                .expect("a prompt's window is in no master")
+        })
+        .collect();
+    let victim = *holders
+        .iter()
+        .max_by_key(|&&p| holders.iter().filter(|&&h| h == p).count())
+        .unwrap();
+    let on_victim = holders.iter().filter(|&&h| h == victim).count();
+    // Its replica has what was written (replication is asynchronous).
+    std::thread::sleep(Duration::from_millis(300));
+
+    let stop = AtomicBool::new(false);
+    // Set once the cluster is whole again; then the first window from Redis is the recovery.
+    let armed = AtomicBool::new(false);
+    let recovered = AtomicBool::new(false);
+    let (served, misses, down_seen) = std::thread::scope(|s| {
+        // The load: the four conversations in turn, each answer checked.
+        let load = s.spawn(|| {
+            let (mut served, mut misses) = (0u32, 0u32);
+            while !stop.load(Ordering::Acquire) {
+                for (p, e) in prompts.iter().zip(&expected) {
+                    let r = d.json("/v1/completions", None, &req(p));
+                    assert_eq!(&generated(&r), e, "a wrong answer during the failover: {r}");
+                    served += 1;
+                    if r["usage"]["kvstack"]["window_source"] == "redis-cluster" {
+                        if armed.load(Ordering::Acquire) {
+                            recovered.store(true, Ordering::Release);
+                        }
+                    } else {
+                        misses += 1;
+                    }
+                }
+            }
+            (served, misses)
+        });
+        std::thread::sleep(Duration::from_millis(200));
+        cluster.kill_port(victim);
+        // /readyz: still 200, and it reports the outage while it lasts.
+        let t0 = Instant::now();
+        let mut down_seen = false;
+        while !down_seen && t0.elapsed() < Duration::from_secs(15) && !load.is_finished() {
+            let (st, ready) = d.req("GET", "/readyz", None, "");
+            assert_eq!(st, 200, "{ready}");
+            down_seen = ready.contains("redis-cluster: down");
+            std::thread::sleep(Duration::from_millis(25));
+        }
+        // The replica takes over; then windows come from Redis again.
+        cluster.wait_ok(Duration::from_secs(20));
+        armed.store(true, Ordering::Release);
+        let t0 = Instant::now();
+        while !recovered.load(Ordering::Acquire) && !load.is_finished() {
+            assert!(
+                t0.elapsed() < Duration::from_secs(20),
+                "windows never came from Redis again after the failover"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        stop.store(true, Ordering::Release);
+        let (served, misses) = load.join().unwrap();
+        (served, misses, down_seen)
+    });
+    println!(
+        "failover under load: {served} answers, {misses} misses (replayed), {on_victim} of 4 \
+         windows on the killed master"
+    );
+    assert!(down_seen, "/readyz never reported the dead master");
+    assert!(
+        misses > 0,
+        "{on_victim} of the windows lived on the killed master, yet no request missed ({served} served)"
+    );
+    let (_, m) = d.req("GET", "/metrics", None, "");
+    let incidents = metric(&m, "kvstack_redis_window_incidents");
+    assert!(incidents >= 1, "{m}");
+    assert_eq!(metric(&m, "kvstack_redis_window_up"), 1, "{m}");
+    assert_eq!(metric(&m, "kvstack_redis_window_damaged"), 0, "{m}");
+    let log = std::fs::read_to_string(d.log()).unwrap();
+    assert_eq!(
+        log.matches("redis cluster unreachable").count() as u64,
+        incidents,
+        "one warning per incident: {log}"
+    );
+    assert!(log.contains("redis cluster reachable again"), "{log}");
+    assert_eq!(d.stop(), 0);
+}
+
+/// Two kvstackd nodes with two tenants (docs/cluster.md): tenant b on node B never gets
+/// tenant a's units, neither through the shared prefix index nor by a peer fetch; tenant a
+/// does. Node A killed (SIGKILL): B serves A's conversations as misses, computing the tokens
+/// A gave; A restarted on its data: B fetches from it again.
+#[test]
+fn a_killed_node_costs_misses_and_tenants_stay_isolated_across_nodes() {
+    const SECRET: &str = "another-shared-secret-of-the-nodes";
+    let (ka, kb) = ("key-of-tenant-a", "key-of-tenant-b");
+    let Some(cluster) = redis_cluster::RedisCluster::start() else {
+        return;
+    };
+    let nodes: Vec<String> = cluster.urls().iter().map(|u| format!("\"{u}\"")).collect();
+    let pool = format!(
+        "backend = \"redis-cluster\"\nredis_nodes = [{}]\nredis_key_prefix = \"kill:\"",
+        nodes.join(", ")
+    );
+    let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let peer = |id: &str, dir: &Path| {
+        format!(
+            "{}[cluster]\npeer_secret = \"{SECRET}\"\nfetch_timeout_ms = 3000\n[[cluster.peer]]\nnode_id = \"{id}\"\naddress = \"unix:{}\"\n",
+            two_tenants(ka, kb),
+            dir.join("kvstackd.sock").display()
+        )
+    };
+    let (ca, cb) = (peer("node-b", db.path()), peer("node-a", da.path()));
+    let (pool_a, pool_b) = (
+        format!("{pool}\nredis_node_id = \"node-a\""),
+        format!("{pool}\nredis_node_id = \"node-b\""),
+    );
+    let start_a = || Daemon::start_with(da.path(), &ca, None, &[], 1 << 30, &pool_a);
+    let (a, b) = std::thread::scope(|s| {
+        let a = s.spawn(start_a);
+        let b = Daemon::start_with(db.path(), &cb, None, &[], 1 << 30, &pool_b);
+        (a.join().unwrap(), b)
+    });
+    let req =
+        |p: &[u32]| serde_json::json!({"prompt": p, "max_tokens": 2, "temperature": 0}).to_string();
+    // Three conversations of tenant a served by A (held as units with windows); their next
+    // turns.
+    let turns: Vec<Vec<u32>> = (0..3u32)
+        .map(|c| {
+            let p: Vec<u32> = (0..270 + 6 * c)
+                .map(|i| (i * (23 + c) + 3 * c) % 250)
+                .collect();
+            let mut ctx = p.clone();
+            ctx.extend(
+                generated(&a.json("/v1/completions", Some(ka), &req(&p)))
+                    .iter()
+                    .map(|&t| t as u32),
+            );
+            let n = wait_durable(&a, Some(ka), &ctx);
+            ctx.truncate(n as usize);
+            ctx.extend([7, 7, 7]);
+            ctx
+        })
+        .collect();
+    // B learns from the index (written once A's units are durable) that node-a holds them.
+    let lookup0 = serde_json::json!({"tokens": turns[0]}).to_string();
+    let t0 = Instant::now();
+    while b.json("/v1/kv/lookup", Some(ka), &lookup0)["cluster"]["node"] != "node-a" {
+        assert!(t0.elapsed() < Duration::from_secs(10), "never indexed");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+
+    // Tenant b, same tokens, on B: the index has nothing for it, no fetch; B computes.
+    let l = b.json("/v1/kv/lookup", Some(kb), &lookup0);
+    assert_eq!(
+        (l["tokens"].as_u64(), &l["cluster"]),
+        (Some(0), &serde_json::Value::Null),
+        "{l}"
+    );
+    let r = b.json("/v1/completions", Some(kb), &req(&turns[0]));
+    let u = &r["usage"]["kvstack"];
+    assert_eq!(u["peer_fetch"], serde_json::Value::Null, "{r}");
+    assert_eq!(u["ssd_tokens"], 0, "{r}");
+    let computed = generated(&r);
+    // Nor does A give tenant b's caller tenant a's unit, or a caller without a key.
+    let get0 = serde_json::json!({"tokens": turns[0]}).to_string();
+    let (st, body) = a.req("POST", "/v1/kv/get", Some(kb), &get0);
+    assert_eq!(st, 404, "{body}");
+    let (st, _) = a.req("POST", "/v1/kv/get", None, &get0);
+    assert_eq!(st, 401);
+    // Tenant a on B: fetched from A with its window, nothing replayed: the same answer as
+    // computing it.
+    let r = b.json("/v1/completions", Some(ka), &req(&turns[0]));
+    let u = &r["usage"]["kvstack"];
+    assert_eq!(u["peer_fetch"]["node"], "node-a", "{r}");
+    assert_eq!(u["replayed_tokens"], 0, "{r}");
+    assert_eq!(generated(&r), computed, "{r}");
+
+    // A killed: tenant a's second conversation is a miss on B (the fetch fails, counted), and
+    // B computes it; B stays ready.
+    drop(a);
+    let r = b.json("/v1/completions", Some(ka), &req(&turns[1]));
+    let u = &r["usage"]["kvstack"];
+    assert_eq!(u["peer_fetch"], serde_json::Value::Null, "{r}");
+    assert_eq!(u["ssd_tokens"], 0, "{r}");
+    let miss = generated(&r);
+    let (st, ready) = b.req("GET", "/readyz", None, "");
+    assert_eq!(st, 200, "{ready}");
+    let (_, m) = b.req("GET", "/metrics", None, "");
+    assert_eq!(metric(&m, "kvstack_peer_fetch_failures_total"), 1, "{m}");
+    assert_eq!(metric(&m, "kvstack_peer_fetches_total"), 1, "{m}");
+
+    // A back on its data: B fetches the third conversation from it again; A answers the
+    // second as B did, and the third as B did.
+    let a = start_a();
+    let r = b.json("/v1/completions", Some(ka), &req(&turns[2]));
+    assert_eq!(r["usage"]["kvstack"]["peer_fetch"]["node"], "node-a", "{r}");
+    assert_eq!(r["usage"]["kvstack"]["replayed_tokens"], 0, "{r}");
+    let third = generated(&r);
+    let (_, m) = b.req("GET", "/metrics", None, "");
+    assert_eq!(metric(&m, "kvstack_peer_fetches_total"), 2, "{m}");
+    for (t, want) in [(&turns[1], &miss), (&turns[2], &third)] {
+        let r = a.json("/v1/completions", Some(ka), &req(t));
+        assert_eq!(r["usage"]["kvstack"]["replayed_tokens"], 0, "{r}");
+        assert_eq!(&generated(&r), want, "{r}");
+    }
+    assert_eq!(a.stop(), 0);
+    assert_eq!(b.stop(), 0);
+}

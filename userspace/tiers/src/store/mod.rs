@@ -63,7 +63,7 @@ pub use delete::{DeleteOutcome, DeleteTicket};
 pub(crate) use open::scan_location;
 pub use options::{
     DEFAULT_RETENTION_MS, ReclaimReport, RecoveryReport, StoreHooks, StoreOptions, StoreStats,
-    V41_BLOCK_PAYLOAD,
+    UnitEvent, V41_BLOCK_PAYLOAD,
 };
 pub use put::{BlockSource, UnitTicket, UnitWrite};
 pub use read::{ReadOutcome, StoreHit};
