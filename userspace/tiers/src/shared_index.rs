@@ -407,6 +407,17 @@ impl Indexer {
         ))
     }
 
+    /// Queues `units` (durable units recovered from the SSD) for indexing, as many as the
+    /// queue has room for (the rest are counted as dropped: indexed at their next durable
+    /// commit, a touch or a put). Never waits.
+    pub(crate) fn reindex(&self, units: Vec<UnitEvent>) {
+        for u in units {
+            if let Err(TrySendError::Full(_)) = self.tx.try_send(Job::Put(u)) {
+                Counters::bump(&self.counters.dropped, 1);
+            }
+        }
+    }
+
     /// Waits until every event queued before this call has been handled (written to Redis,
     /// or failed).
     pub fn flush(&self) {

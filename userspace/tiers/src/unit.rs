@@ -268,6 +268,11 @@ impl Tiers {
             _ => None,
         };
         let store = SsdStore::open(opts.store, Arc::clone(&clock))?;
+        // What recovery found is this node's again (entries written before a restart may have
+        // expired or been taken over): the most recently used units, within the queue.
+        if let Some(ix) = &indexer {
+            ix.reindex(store.durable_units(crate::shared_index::INDEX_QUEUE / 2));
+        }
         let pool = WindowPool::new(opts.pool, clock)?;
         Ok(Tiers {
             store,

@@ -649,6 +649,32 @@ fn index_entries_follow_durability_eviction_and_deletes() {
     assert_eq!(node_of(&a, &u3), Some((2, "node-b".into(), 300)));
     // Another tenant never sees any of it.
     assert_eq!(b.cluster_lookup(&u3, &Tenant::new("other")), None);
+
+    // Reopened, A indexes what recovery found: an entry lost meanwhile (expired, dropped) is
+    // written again.
+    let u4: Vec<u32> = (0..400).map(|i| i * 11 + 5).collect();
+    let s4 = build(&mut src, &u4, 4);
+    a.persist(&src, s4, &tenant, 400).unwrap().wait().unwrap();
+    a.flush_index();
+    let keys = kvstack_tiers::key::chain_keys(&u4, 256, a.model(), &tenant);
+    let removed = a
+        .remote()
+        .unwrap()
+        .index_remove(tenant.id(), a.model(), &keys, "node-a");
+    assert_eq!(removed, Some(2));
+    assert_eq!(node_of(&b, &u4), None);
+    drop(a);
+    let mut remote = RedisOptions::new(cluster.urls());
+    remote.key_prefix = "ix:".into();
+    remote.node_id = Some("node-a".into());
+    let a = tiers_with(da.path(), clock.clone(), Some(remote));
+    a.flush_index();
+    assert_eq!(node_of(&b, &u4), Some((2, "node-a".into(), 400)));
+    // u1, evicted in memory only (its commit was still on disk), came back with recovery:
+    // indexed again too, as the node holds it again.
+    assert_eq!(a.lookup(&u1, &tenant).tokens, 600);
+    assert_eq!(node_of(&b, &u1), Some((3, "node-a".into(), 600)));
+    assert_eq!(a.index_stats().unwrap().units_indexed, 2);
 }
 
 /// The remaining TTL (ms) of the index entry of `tokens`' first block, read with redis-cli.
