@@ -1448,6 +1448,15 @@ fn a_redis_master_killed_under_load_costs_misses_only() {
         });
         std::thread::sleep(Duration::from_millis(200));
         cluster.kill_port(victim);
+        // At once, a conversation whose window lived there: a miss (the replica is promoted
+        // only after the cluster's node timeout), and the right answer.
+        let i = holders.iter().position(|&h| h == victim).unwrap();
+        let r = d.json("/v1/completions", None, &req(&prompts[i]));
+        assert_eq!(generated(&r), expected[i], "{r}");
+        assert_ne!(
+            r["usage"]["kvstack"]["window_source"], "redis-cluster",
+            "{r}"
+        );
         // /readyz: still 200, and it reports the outage while it lasts.
         let t0 = Instant::now();
         let mut down_seen = false;
@@ -1477,10 +1486,6 @@ fn a_redis_master_killed_under_load_costs_misses_only() {
          windows on the killed master"
     );
     assert!(down_seen, "/readyz never reported the dead master");
-    assert!(
-        misses > 0,
-        "{on_victim} of the windows lived on the killed master, yet no request missed ({served} served)"
-    );
     let (_, m) = d.req("GET", "/metrics", None, "");
     let incidents = metric(&m, "kvstack_redis_window_incidents");
     assert!(incidents >= 1, "{m}");
