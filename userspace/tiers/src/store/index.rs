@@ -452,9 +452,6 @@ pub(super) fn publish(st: &mut State, job: &UnitJob, loc: Option<Loc>, shared: &
         add_seg(st.orphans.entry(end).or_default(), loc.seg);
         return;
     }
-    // A commit newer than a delete of its key (the unit put again, or a prefix of a longer
-    // unit read and so given a unit here): the delete no longer counts, and the older commits
-    // it covered are the unit's to answer for (a later delete must outlive them too).
     // A prefix unit a lookup created records no tenant in its touch; its blocks do.
     let tenant = match job.tenant_id {
         0 => job
@@ -464,6 +461,9 @@ pub(super) fn publish(st: &mut State, job: &UnitJob, loc: Option<Loc>, shared: &
             .map_or(0, |b| b.tenant),
         t => t,
     };
+    // A commit newer than a delete of its key (the unit put again, or a prefix of a longer
+    // unit read and so given a unit here): the delete no longer counts, and the older commits
+    // it covered are the unit's to answer for (a later delete must outlive them too).
     let mut inherited = super::delete::supersede_delete(st, &end);
     if let Some(segs) = st.orphans.remove(&end) {
         inherited.extend(segs);
