@@ -637,6 +637,25 @@ fn two_tenants(ka: &str, kb: &str) -> String {
     )
 }
 
+/// Waits until node `d`'s `/v1/kv/lookup` of `tokens` names `node` as the shared prefix
+/// index's holder (entries are written by the holder's index thread once its unit is
+/// durable); returns the lookup.
+fn wait_indexed(d: &Daemon, key: Option<&str>, tokens: &[u32], node: &str) -> serde_json::Value {
+    let lookup = serde_json::json!({"tokens": tokens}).to_string();
+    let t0 = Instant::now();
+    loop {
+        let l = d.json("/v1/kv/lookup", key, &lookup);
+        if l["cluster"]["node"] == node {
+            return l;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "{node} never indexed: {l}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// Waits until `key`'s tenant has a durable prefix of `tokens`; returns its length.
 fn wait_durable(d: &Daemon, key: Option<&str>, tokens: &[u32]) -> u64 {
     let lookup = serde_json::json!({"tokens": tokens}).to_string();
@@ -1140,8 +1159,7 @@ fn two_nodes_share_windows_through_redis_cluster() {
     // The shared prefix index tells B that node-a holds it: the whole unit for its own
     // tokens, its whole blocks (256 tokens) for the longer context (whose partial last block
     // differs from the unit's).
-    let unit = serde_json::json!({"tokens": context[..n as usize]}).to_string();
-    let l = b.json("/v1/kv/lookup", None, &unit);
+    let l = wait_indexed(&b, None, &context[..n as usize], "node-a");
     assert_eq!(l["tokens"], 0, "{l}");
     assert_eq!(l["cluster"]["node"], "node-a", "{l}");
     assert_eq!(l["cluster"]["tokens"], n, "{l}");
@@ -1159,7 +1177,7 @@ fn two_nodes_share_windows_through_redis_cluster() {
     );
     let (st, body) = b.req_bytes("/v1/kv/put?durable=true", None, &put);
     assert_eq!(st, 200, "{}", String::from_utf8_lossy(&body));
-    let l = b.json("/v1/kv/lookup", None, &unit);
+    let l = wait_indexed(&b, None, &context[..n as usize], "node-b");
     assert_eq!(l["tokens"].as_u64(), Some(n), "{l}");
     assert_eq!(l["cluster"]["node"], "node-b", "{l}");
 
@@ -1198,6 +1216,7 @@ fn two_nodes_share_windows_through_redis_cluster() {
         ctx3.push(t.as_u64().unwrap() as u32);
     }
     let n3 = wait_durable(&a, None, &ctx3);
+    wait_indexed(&b, None, &ctx3[..n3 as usize], "node-a");
     let mut turn = ctx3[..n3 as usize].to_vec();
     turn.extend([4, 4, 4]);
     let req = serde_json::json!({"prompt": turn, "max_tokens": 3, "temperature": 0}).to_string();
@@ -1558,12 +1577,10 @@ fn a_killed_node_costs_misses_and_tenants_stay_isolated_across_nodes() {
         })
         .collect();
     // B learns from the index (written once A's units are durable) that node-a holds them.
-    let lookup0 = serde_json::json!({"tokens": turns[0]}).to_string();
-    let t0 = Instant::now();
-    while b.json("/v1/kv/lookup", Some(ka), &lookup0)["cluster"]["node"] != "node-a" {
-        assert!(t0.elapsed() < Duration::from_secs(10), "never indexed");
-        std::thread::sleep(Duration::from_millis(50));
+    for t in &turns {
+        wait_indexed(&b, Some(ka), t, "node-a");
     }
+    let lookup0 = serde_json::json!({"tokens": turns[0]}).to_string();
 
     // Tenant b, same tokens, on B: the index has nothing for it, no fetch; B computes.
     let l = b.json("/v1/kv/lookup", Some(kb), &lookup0);
@@ -1715,7 +1732,7 @@ fn measure_cluster_restores() {
         let f = frame::decode(&body).unwrap();
         block_bytes = f.blocks[0].len();
         // An even length: no pending compressor token, as at the synthetic unit's end.
-        if window.is_none() && n % 2 == 0 {
+        if window.is_none() && n.is_multiple_of(2) {
             window = f.window.clone();
         }
         let put = frame::encode(
