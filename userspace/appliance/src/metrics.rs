@@ -100,6 +100,11 @@ pub struct Metrics {
     redis_incidents: Gauge,
     redis_bytes_put: Gauge,
     redis_bytes_got: Gauge,
+    index_units: Gauge,
+    index_unindexed: Gauge,
+    index_removed: Gauge,
+    index_failed: Gauge,
+    index_dropped: Gauge,
     pool_bytes: Gauge,
     pool_entries: Gauge,
     pool_expired: Gauge,
@@ -165,6 +170,11 @@ impl Metrics {
             redis_incidents: Gauge::default(),
             redis_bytes_put: Gauge::default(),
             redis_bytes_got: Gauge::default(),
+            index_units: Gauge::default(),
+            index_unindexed: Gauge::default(),
+            index_removed: Gauge::default(),
+            index_failed: Gauge::default(),
+            index_dropped: Gauge::default(),
             pool_bytes: Gauge::default(),
             pool_entries: Gauge::default(),
             pool_expired: Gauge::default(),
@@ -266,7 +276,7 @@ impl Metrics {
             "Frame bytes fetched from peer nodes",
             m.peer_fetched_bytes.clone(),
         );
-        let redis: [(&str, &str, &Gauge); 12] = [
+        let redis: [(&str, &str, &Gauge); 17] = [
             (
                 "redis_window_up",
                 "1 while the window pool's Redis Cluster level answers (0 when down or not configured)",
@@ -316,6 +326,31 @@ impl Metrics {
                 "redis_window_incidents",
                 "Redis Cluster outages seen (runs of failures, each logged once)",
                 &m.redis_incidents,
+            ),
+            (
+                "cluster_index_units_indexed",
+                "Units made durable whose shared prefix index entries Redis took",
+                &m.index_units,
+            ),
+            (
+                "cluster_index_units_unindexed",
+                "Units evicted or deleted whose shared prefix index entries were removed",
+                &m.index_unindexed,
+            ),
+            (
+                "cluster_index_entries_removed",
+                "Shared prefix index entries removed (they still named this node)",
+                &m.index_removed,
+            ),
+            (
+                "cluster_index_failed",
+                "Shared prefix index updates Redis did not take (entries missing or left to expire)",
+                &m.index_failed,
+            ),
+            (
+                "cluster_index_dropped",
+                "Shared prefix index updates dropped because the index thread's queue was full",
+                &m.index_dropped,
             ),
             (
                 "redis_window_put_bytes",
@@ -532,6 +567,17 @@ impl Metrics {
                     (&self.redis_incidents, s.incidents),
                     (&self.redis_bytes_put, s.bytes_put),
                     (&self.redis_bytes_got, s.bytes_got),
+                ] {
+                    g.set(to_i64(v));
+                }
+            }
+            if let Some(ix) = t.index_stats() {
+                for (g, v) in [
+                    (&self.index_units, ix.units_indexed),
+                    (&self.index_unindexed, ix.units_unindexed),
+                    (&self.index_removed, ix.entries_removed),
+                    (&self.index_failed, ix.failed),
+                    (&self.index_dropped, ix.dropped),
                 ] {
                     g.set(to_i64(v));
                 }

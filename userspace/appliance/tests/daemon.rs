@@ -30,12 +30,29 @@ impl Daemon {
         ssd_bytes: u64,
         pool: &str,
     ) -> Daemon {
+        Daemon::start_toml(
+            dir,
+            &format!(
+                "[window_pool]\ncapacity_bytes = 67108864\n{pool}\n[ssd]\ncapacity_bytes = {ssd_bytes}\n[engine]\nthreads = 1\nmax_sequences = 8\ncontext_limit = 4096\n{config}"
+            ),
+            activate,
+            env,
+        )
+    }
+
+    /// Starts kvstackd on `dir` with `body` after its `data_dir` and `listen` lines.
+    fn start_toml(
+        dir: &Path,
+        body: &str,
+        activate: Option<&Path>,
+        env: &[(&str, String)],
+    ) -> Daemon {
         let sock = dir.join("kvstackd.sock");
         let cfg = dir.join("kvstackd.toml");
         std::fs::write(
             &cfg,
             format!(
-                "data_dir = \"{}\"\nlisten = [\"unix:{}\"]\n[window_pool]\ncapacity_bytes = 67108864\n{pool}\n[ssd]\ncapacity_bytes = {ssd_bytes}\n[engine]\nthreads = 1\nmax_sequences = 8\ncontext_limit = 4096\n{config}",
+                "data_dir = \"{}\"\nlisten = [\"unix:{}\"]\n{body}",
                 dir.join("data").display(),
                 sock.display()
             ),
@@ -620,6 +637,25 @@ fn two_tenants(ka: &str, kb: &str) -> String {
     )
 }
 
+/// Waits until node `d`'s `/v1/kv/lookup` of `tokens` names `node` as the shared prefix
+/// index's holder (entries are written by the holder's index thread once its unit is
+/// durable); returns the lookup.
+fn wait_indexed(d: &Daemon, key: Option<&str>, tokens: &[u32], node: &str) -> serde_json::Value {
+    let lookup = serde_json::json!({"tokens": tokens}).to_string();
+    let t0 = Instant::now();
+    loop {
+        let l = d.json("/v1/kv/lookup", key, &lookup);
+        if l["cluster"]["node"] == node {
+            return l;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "{node} never indexed: {l}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// Waits until `key`'s tenant has a durable prefix of `tokens`; returns its length.
 fn wait_durable(d: &Daemon, key: Option<&str>, tokens: &[u32]) -> u64 {
     let lookup = serde_json::json!({"tokens": tokens}).to_string();
@@ -1123,8 +1159,7 @@ fn two_nodes_share_windows_through_redis_cluster() {
     // The shared prefix index tells B that node-a holds it: the whole unit for its own
     // tokens, its whole blocks (256 tokens) for the longer context (whose partial last block
     // differs from the unit's).
-    let unit = serde_json::json!({"tokens": context[..n as usize]}).to_string();
-    let l = b.json("/v1/kv/lookup", None, &unit);
+    let l = wait_indexed(&b, None, &context[..n as usize], "node-a");
     assert_eq!(l["tokens"], 0, "{l}");
     assert_eq!(l["cluster"]["node"], "node-a", "{l}");
     assert_eq!(l["cluster"]["tokens"], n, "{l}");
@@ -1142,7 +1177,7 @@ fn two_nodes_share_windows_through_redis_cluster() {
     );
     let (st, body) = b.req_bytes("/v1/kv/put?durable=true", None, &put);
     assert_eq!(st, 200, "{}", String::from_utf8_lossy(&body));
-    let l = b.json("/v1/kv/lookup", None, &unit);
+    let l = wait_indexed(&b, None, &context[..n as usize], "node-b");
     assert_eq!(l["tokens"].as_u64(), Some(n), "{l}");
     assert_eq!(l["cluster"]["node"], "node-b", "{l}");
 
@@ -1181,6 +1216,7 @@ fn two_nodes_share_windows_through_redis_cluster() {
         ctx3.push(t.as_u64().unwrap() as u32);
     }
     let n3 = wait_durable(&a, None, &ctx3);
+    wait_indexed(&b, None, &ctx3[..n3 as usize], "node-a");
     let mut turn = ctx3[..n3 as usize].to_vec();
     turn.extend([4, 4, 4]);
     let req = serde_json::json!({"prompt": turn, "max_tokens": 3, "temperature": 0}).to_string();
@@ -1284,4 +1320,568 @@ fn two_nodes_share_windows_through_redis_cluster() {
     let log = std::fs::read_to_string(b.log()).unwrap();
     assert_eq!(log.matches("redis cluster unreachable").count(), 1, "{log}");
     assert_eq!(b.stop(), 0);
+}
+
+/// `kvstack_NAME VALUE` of a /metrics text, 0 when absent.
+fn metric(m: &str, name: &str) -> u64 {
+    m.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .map_or(0, |v| v as u64)
+}
+
+/// A completion's generated tokens.
+fn generated(r: &serde_json::Value) -> Vec<u64> {
+    r["choices"][0]["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect()
+}
+
+/// A Redis master killed while kvstackd serves a steady load (docs/cluster.md, "Failure
+/// behaviour"): the cluster fails over to the replica; meanwhile the windows on the dead
+/// master are misses (replayed), every answer is 200 with the tokens the healthy run gave
+/// (never a wrong byte: the conversations are shorter than the window, so a replay is
+/// exact), /readyz stays 200 and says the window pool is down, /metrics counts
+/// the incidents, one warning each; once the replica is promoted the windows come from Redis
+/// again.
+#[test]
+fn a_redis_master_killed_under_load_costs_misses_only() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let Some(mut cluster) = redis_cluster::RedisCluster::start() else {
+        return;
+    };
+    let nodes: Vec<String> = cluster.urls().iter().map(|u| format!("\"{u}\"")).collect();
+    // No DRAM level: every window is read from Redis, so a dead master shows.
+    let pool = format!(
+        "backend = \"redis-cluster\"\nredis_nodes = [{}]\nredis_key_prefix = \"failover:\"\nredis_retry_ms = 1000\nlocal_level = false\nredis_node_id = \"node-a\"",
+        nodes.join(", ")
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start_with(dir.path(), "", None, &[], 1 << 30, &pool);
+    // Four conversations, each held as a unit with its window (in Redis only). They are
+    // shorter than the window (128 tokens), so every way of serving their next turn is exact:
+    // the window from Redis, and the replay a miss costs, which then covers the whole prefix
+    // (spec §7). Any answer but the healthy one is a wrong byte.
+    let req =
+        |p: &[u32]| serde_json::json!({"prompt": p, "max_tokens": 2, "temperature": 0}).to_string();
+    let held: Vec<Vec<u32>> = (0..4u32)
+        .map(|c| {
+            let p: Vec<u32> = (0..60 + 10 * c)
+                .map(|i| (i * (13 + 2 * c) + c) % 250)
+                .collect();
+            let mut ctx = p.clone();
+            ctx.extend(
+                generated(&d.json("/v1/completions", None, &req(&p)))
+                    .iter()
+                    .map(|&t| t as u32),
+            );
+            let n = wait_durable(&d, None, &ctx);
+            ctx.truncate(n as usize);
+            ctx
+        })
+        .collect();
+    let prompts: Vec<Vec<u32>> = held
+        .iter()
+        .map(|h| {
+            let mut t = h.clone();
+            t.extend([3, 1, 4]);
+            t
+        })
+        .collect();
+    // The healthy answers, windows from Redis.
+    let expected: Vec<Vec<u64>> = prompts
+        .iter()
+        .map(|p| {
+            let r = d.json("/v1/completions", None, &req(p));
+            assert_eq!(
+                r["usage"]["kvstack"]["window_source"], "redis-cluster",
+                "{r}"
+            );
+            generated(&r)
+        })
+        .collect();
+
+    // The master holding most of the prompts' windows (at least 2 of the 4).
+    let (_, models) = d.req("GET", "/v1/models", None, "");
+    let models: serde_json::Value = serde_json::from_str(&models).unwrap();
+    let fp = models["data"][0]["kvstack"]["fingerprint"]
+        .as_str()
+        .unwrap();
+    let mut model = [0u8; 32];
+    for (i, b) in model.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&fp[2 * i..2 * i + 2], 16).unwrap();
+    }
+    let model = kvstack_tiers::ModelFingerprint(model);
+    let tenant = kvstack_tiers::Tenant::new("default");
+    let mut opts = kvstack_tiers::RedisOptions::new(cluster.urls());
+    opts.key_prefix = "failover:".into();
+    let namer = kvstack_tiers::RedisPool::new(opts, 1000).unwrap();
+    let holders: Vec<u16> = held
+        .iter()
+        .map(|p| {
+            let keys = kvstack_tiers::key::chain_keys(p, 256, &model, &tenant);
+            let key = namer.value_key(kvstack_tiers::redis_pool::SnapshotId {
+                tenant: tenant.id(),
+                model: &model,
+                key: keys.last().unwrap(),
+            });
+            cluster
+                .holder_of(&key)
+                .expect("a prompt's window is in no master")
+        })
+        .collect();
+    let victim = *holders
+        .iter()
+        .max_by_key(|&&p| holders.iter().filter(|&&h| h == p).count())
+        .unwrap();
+    let on_victim = holders.iter().filter(|&&h| h == victim).count();
+    // Its replica has what was written (replication is asynchronous).
+    std::thread::sleep(Duration::from_millis(300));
+
+    let stop = AtomicBool::new(false);
+    // Set once the cluster is whole again; then the first window from Redis is the recovery.
+    let armed = AtomicBool::new(false);
+    let recovered = AtomicBool::new(false);
+    let (served, misses, down_seen) = std::thread::scope(|s| {
+        // The load: the four conversations in turn, each answer checked.
+        let load = s.spawn(|| {
+            let (mut served, mut misses) = (0u32, 0u32);
+            while !stop.load(Ordering::Acquire) {
+                for (p, e) in prompts.iter().zip(&expected) {
+                    let r = d.json("/v1/completions", None, &req(p));
+                    assert_eq!(&generated(&r), e, "a wrong answer during the failover: {r}");
+                    served += 1;
+                    if r["usage"]["kvstack"]["window_source"] == "redis-cluster" {
+                        if armed.load(Ordering::Acquire) {
+                            recovered.store(true, Ordering::Release);
+                        }
+                    } else {
+                        misses += 1;
+                    }
+                }
+            }
+            (served, misses)
+        });
+        std::thread::sleep(Duration::from_millis(200));
+        cluster.kill_port(victim);
+        // At once, a conversation whose window lived there: a miss (the replica is promoted
+        // only after the cluster's node timeout), and the right answer.
+        let i = holders.iter().position(|&h| h == victim).unwrap();
+        let r = d.json("/v1/completions", None, &req(&prompts[i]));
+        assert_eq!(generated(&r), expected[i], "{r}");
+        assert_ne!(
+            r["usage"]["kvstack"]["window_source"], "redis-cluster",
+            "{r}"
+        );
+        // /readyz: still 200, and it reports the outage while it lasts.
+        let t0 = Instant::now();
+        let mut down_seen = false;
+        while !down_seen && t0.elapsed() < Duration::from_secs(15) && !load.is_finished() {
+            let (st, ready) = d.req("GET", "/readyz", None, "");
+            assert_eq!(st, 200, "{ready}");
+            down_seen = ready.contains("redis-cluster: down");
+            std::thread::sleep(Duration::from_millis(25));
+        }
+        // The replica takes over; then windows come from Redis again.
+        cluster.wait_ok(Duration::from_secs(20));
+        armed.store(true, Ordering::Release);
+        let t0 = Instant::now();
+        while !recovered.load(Ordering::Acquire) && !load.is_finished() {
+            assert!(
+                t0.elapsed() < Duration::from_secs(20),
+                "windows never came from Redis again after the failover"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        stop.store(true, Ordering::Release);
+        let (served, misses) = load.join().unwrap();
+        (served, misses, down_seen)
+    });
+    println!(
+        "failover under load: {served} answers, {misses} misses (replayed), {on_victim} of 4 \
+         windows on the killed master"
+    );
+    assert!(down_seen, "/readyz never reported the dead master");
+    let (_, m) = d.req("GET", "/metrics", None, "");
+    let incidents = metric(&m, "kvstack_redis_window_incidents");
+    assert!(incidents >= 1, "{m}");
+    assert_eq!(metric(&m, "kvstack_redis_window_up"), 1, "{m}");
+    assert_eq!(metric(&m, "kvstack_redis_window_damaged"), 0, "{m}");
+    let log = std::fs::read_to_string(d.log()).unwrap();
+    assert_eq!(
+        log.matches("redis cluster unreachable").count() as u64,
+        incidents,
+        "one warning per incident: {log}"
+    );
+    assert!(log.contains("redis cluster reachable again"), "{log}");
+    assert_eq!(d.stop(), 0);
+}
+
+/// Two kvstackd nodes with two tenants (docs/cluster.md): tenant b on node B never gets
+/// tenant a's units, neither through the shared prefix index nor by a peer fetch; tenant a
+/// does. Node A killed (SIGKILL): B serves A's conversations as misses, computing the tokens
+/// A gave; A restarted on its data: B fetches from it again.
+#[test]
+fn a_killed_node_costs_misses_and_tenants_stay_isolated_across_nodes() {
+    const SECRET: &str = "another-shared-secret-of-the-nodes";
+    let (ka, kb) = ("key-of-tenant-a", "key-of-tenant-b");
+    let Some(cluster) = redis_cluster::RedisCluster::start() else {
+        return;
+    };
+    let nodes: Vec<String> = cluster.urls().iter().map(|u| format!("\"{u}\"")).collect();
+    let pool = format!(
+        "backend = \"redis-cluster\"\nredis_nodes = [{}]\nredis_key_prefix = \"kill:\"",
+        nodes.join(", ")
+    );
+    let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let peer = |id: &str, dir: &Path| {
+        format!(
+            "{}[cluster]\npeer_secret = \"{SECRET}\"\nfetch_timeout_ms = 3000\n[[cluster.peer]]\nnode_id = \"{id}\"\naddress = \"unix:{}\"\n",
+            two_tenants(ka, kb),
+            dir.join("kvstackd.sock").display()
+        )
+    };
+    let (ca, cb) = (peer("node-b", db.path()), peer("node-a", da.path()));
+    let (pool_a, pool_b) = (
+        format!("{pool}\nredis_node_id = \"node-a\""),
+        format!("{pool}\nredis_node_id = \"node-b\""),
+    );
+    let start_a = || Daemon::start_with(da.path(), &ca, None, &[], 1 << 30, &pool_a);
+    let (a, b) = std::thread::scope(|s| {
+        let a = s.spawn(start_a);
+        let b = Daemon::start_with(db.path(), &cb, None, &[], 1 << 30, &pool_b);
+        (a.join().unwrap(), b)
+    });
+    let req =
+        |p: &[u32]| serde_json::json!({"prompt": p, "max_tokens": 2, "temperature": 0}).to_string();
+    // Three conversations of tenant a served by A (held as units with windows); their next
+    // turns.
+    let turns: Vec<Vec<u32>> = (0..3u32)
+        .map(|c| {
+            let p: Vec<u32> = (0..270 + 6 * c)
+                .map(|i| (i * (23 + c) + 3 * c) % 250)
+                .collect();
+            let mut ctx = p.clone();
+            ctx.extend(
+                generated(&a.json("/v1/completions", Some(ka), &req(&p)))
+                    .iter()
+                    .map(|&t| t as u32),
+            );
+            let n = wait_durable(&a, Some(ka), &ctx);
+            ctx.truncate(n as usize);
+            ctx.extend([7, 7, 7]);
+            ctx
+        })
+        .collect();
+    // B learns from the index (written once A's units are durable) that node-a holds them.
+    for t in &turns {
+        wait_indexed(&b, Some(ka), t, "node-a");
+    }
+    let lookup0 = serde_json::json!({"tokens": turns[0]}).to_string();
+
+    // Tenant b, same tokens, on B: the index has nothing for it, no fetch; B computes.
+    let l = b.json("/v1/kv/lookup", Some(kb), &lookup0);
+    assert_eq!(
+        (l["tokens"].as_u64(), &l["cluster"]),
+        (Some(0), &serde_json::Value::Null),
+        "{l}"
+    );
+    let r = b.json("/v1/completions", Some(kb), &req(&turns[0]));
+    let u = &r["usage"]["kvstack"];
+    assert_eq!(u["peer_fetch"], serde_json::Value::Null, "{r}");
+    assert_eq!(u["ssd_tokens"], 0, "{r}");
+    let computed = generated(&r);
+    // Nor does A give tenant b's caller tenant a's unit, or a caller without a key.
+    let get0 = serde_json::json!({"tokens": turns[0]}).to_string();
+    let (st, body) = a.req("POST", "/v1/kv/get", Some(kb), &get0);
+    assert_eq!(st, 404, "{body}");
+    let (st, _) = a.req("POST", "/v1/kv/get", None, &get0);
+    assert_eq!(st, 401);
+    // Tenant a on B: fetched from A with its window, nothing replayed: the same answer as
+    // computing it.
+    let r = b.json("/v1/completions", Some(ka), &req(&turns[0]));
+    let u = &r["usage"]["kvstack"];
+    assert_eq!(u["peer_fetch"]["node"], "node-a", "{r}");
+    assert_eq!(u["replayed_tokens"], 0, "{r}");
+    assert_eq!(generated(&r), computed, "{r}");
+
+    // A killed: tenant a's second conversation is a miss on B (the fetch fails, counted), and
+    // B computes it; B stays ready.
+    drop(a);
+    let r = b.json("/v1/completions", Some(ka), &req(&turns[1]));
+    let u = &r["usage"]["kvstack"];
+    assert_eq!(u["peer_fetch"], serde_json::Value::Null, "{r}");
+    assert_eq!(u["ssd_tokens"], 0, "{r}");
+    let miss = generated(&r);
+    let (st, ready) = b.req("GET", "/readyz", None, "");
+    assert_eq!(st, 200, "{ready}");
+    let (_, m) = b.req("GET", "/metrics", None, "");
+    assert_eq!(metric(&m, "kvstack_peer_fetch_failures_total"), 1, "{m}");
+    assert_eq!(metric(&m, "kvstack_peer_fetches_total"), 1, "{m}");
+
+    // A back on its data: B fetches the third conversation from it again; A answers the
+    // second as B did, and the third as B did.
+    let a = start_a();
+    let r = b.json("/v1/completions", Some(ka), &req(&turns[2]));
+    assert_eq!(r["usage"]["kvstack"]["peer_fetch"]["node"], "node-a", "{r}");
+    assert_eq!(r["usage"]["kvstack"]["replayed_tokens"], 0, "{r}");
+    let third = generated(&r);
+    let (_, m) = b.req("GET", "/metrics", None, "");
+    assert_eq!(metric(&m, "kvstack_peer_fetches_total"), 2, "{m}");
+    for (t, want) in [(&turns[1], &miss), (&turns[2], &third)] {
+        let r = a.json("/v1/completions", Some(ka), &req(t));
+        assert_eq!(r["usage"]["kvstack"]["replayed_tokens"], 0, "{r}");
+        assert_eq!(&generated(&r), want, "{r}");
+    }
+    assert_eq!(a.stop(), 0);
+    assert_eq!(b.stop(), 0);
+}
+
+/// The median of `v` (sorted here).
+fn p50(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Measurement of issue 29 item 5 on two kvstackd nodes sharing a Redis Cluster, all on this
+/// machine, in one run (`docs/cluster.md`, "Measurement"; not a pass/fail test):
+/// - a turn whose window comes from the DRAM level, from Redis Cluster, or is rebuilt by the
+///   bounded replay (128 tokens), on node B, which holds the conversation's global KV (put
+///   without its window): time to first token and what was read;
+/// - a 131,072-token unit (synthetic bytes of the model's block sizes and window, put
+///   through the KV-cache API) read from node A's SSD through `/v1/kv/get`, and fetched by
+///   node B from A for a turn on it (the daemon's peer fetch, as `usage.peer_fetch` times
+///   it: A's `/v1/kv/get` as a peer, every CRC checked, a durable write on B), latency and
+///   GB/s.
+///
+/// `cargo test -p kvstack-appliance --release --test daemon -- --ignored --nocapture measure_cluster`
+#[test]
+#[ignore = "measurement; run by hand (docs/cluster.md)"]
+fn measure_cluster_restores() {
+    use kvstack_appliance::frame;
+    const SECRET: &str = "measurement-secret-of-the-nodes";
+    const UNIT: usize = 131_072;
+    let Some(cluster) = redis_cluster::RedisCluster::start() else {
+        return;
+    };
+    let nodes: Vec<String> = cluster.urls().iter().map(|u| format!("\"{u}\"")).collect();
+    let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let toml = |id: &str, peer: &str, peer_dir: &Path| {
+        format!(
+            "[window_pool]\ncapacity_bytes = 67108864\nbackend = \"redis-cluster\"\nredis_nodes = [{}]\nredis_key_prefix = \"measure:\"\nredis_node_id = \"{id}\"\n[ssd]\ncapacity_bytes = {}\n[engine]\nthreads = 2\nmax_sequences = 2\ncontext_limit = {}\n[limits]\nmax_prompt_tokens = {}\nmax_kv_body_bytes = {}\n[cluster]\npeer_secret = \"{SECRET}\"\nfetch_timeout_ms = 60000\n[[cluster.peer]]\nnode_id = \"{peer}\"\naddress = \"unix:{}\"\n",
+            nodes.join(", "),
+            3u64 << 30,
+            UNIT + 1024,
+            UNIT + 512,
+            512u64 << 20,
+            peer_dir.join("kvstackd.sock").display()
+        )
+    };
+    let (ta, tb) = (
+        toml("node-a", "node-b", db.path()),
+        toml("node-b", "node-a", da.path()),
+    );
+    let (a, b) = std::thread::scope(|s| {
+        let a = s.spawn(|| Daemon::start_toml(da.path(), &ta, None, &[]));
+        let b = Daemon::start_toml(db.path(), &tb, None, &[]);
+        (a.join().unwrap(), b)
+    });
+    let (_, models) = a.req("GET", "/v1/models", None, "");
+    let models: serde_json::Value = serde_json::from_str(&models).unwrap();
+    let fp = models["data"][0]["kvstack"]["fingerprint"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let mut model = [0u8; 32];
+    for (i, m) in model.iter_mut().enumerate() {
+        *m = u8::from_str_radix(&fp[2 * i..2 * i + 2], 16).unwrap();
+    }
+    let model = kvstack_tiers::ModelFingerprint(model);
+    let tenant = kvstack_tiers::Tenant::new("default");
+    let mut opts = kvstack_tiers::RedisOptions::new(cluster.urls());
+    opts.key_prefix = "measure:".into();
+    let namer = kvstack_tiers::RedisPool::new(opts, 1000).unwrap();
+    let req = |p: &[u32], n: u32| {
+        serde_json::json!({"prompt": p, "max_tokens": n, "temperature": 0}).to_string()
+    };
+
+    // Windows: conversations A served; B gets their global KV without the window.
+    let (mut dram, mut redis, mut replay) = (Vec::new(), Vec::new(), Vec::new());
+    let mut block_bytes = 0usize;
+    let mut window: Option<Vec<u8>> = None;
+    let mut seen = Vec::new();
+    for k in 0..6u32 {
+        let p: Vec<u32> = (0..299).map(|i| (i * (29 + k) + k) % 250).collect();
+        let mut ctx = p.clone();
+        ctx.extend(
+            generated(&a.json("/v1/completions", None, &req(&p, 2)))
+                .iter()
+                .map(|&t| t as u32),
+        );
+        let n = wait_durable(&a, None, &ctx) as usize;
+        ctx.truncate(n);
+        let (st, body) = a.req_bytes(
+            "/v1/kv/get",
+            None,
+            serde_json::json!({"tokens": ctx}).to_string().as_bytes(),
+        );
+        assert_eq!(st, 200);
+        let f = frame::decode(&body).unwrap();
+        block_bytes = f.blocks[0].len();
+        // An even length: no pending compressor token, as at the synthetic unit's end.
+        if window.is_none() && n.is_multiple_of(2) {
+            window = f.window.clone();
+        }
+        let put = frame::encode(
+            n as u64,
+            f.header.page_tokens,
+            Some(fp.clone()),
+            &ctx,
+            &f.blocks,
+            None,
+        );
+        let (st, body) = b.req_bytes("/v1/kv/put?durable=true", None, &put);
+        assert_eq!(st, 200, "{}", String::from_utf8_lossy(&body));
+        let mut turn = ctx.clone();
+        turn.extend([k + 1, 5, 6]);
+        if k % 2 == 1 {
+            // No window anywhere for B: drop it from Redis (A keeps its DRAM copy).
+            let keys = kvstack_tiers::key::chain_keys(&ctx, 256, &model, &tenant);
+            let key = namer.value_key(kvstack_tiers::redis_pool::SnapshotId {
+                tenant: tenant.id(),
+                model: &model,
+                key: keys.last().unwrap(),
+            });
+            namer.remove(kvstack_tiers::redis_pool::SnapshotId {
+                tenant: tenant.id(),
+                model: &model,
+                key: keys.last().unwrap(),
+            });
+            assert!(cluster.holder_of(&key).is_none());
+        }
+        let r = b.json("/v1/completions", None, &req(&turn, 1));
+        let u = r["usage"]["kvstack"].clone();
+        let ttft = u["ttft_ms"].as_f64().unwrap();
+        if k % 2 == 1 {
+            assert_eq!(u["replayed_tokens"], 128, "{r}");
+            replay.push(ttft);
+            if k == 1 {
+                println!("  (a replayed turn's usage: {u})");
+            }
+        } else {
+            assert_eq!(u["window_source"], "redis-cluster", "{r}");
+            redis.push(ttft);
+            // Again: B's DRAM level kept the snapshot read from Redis.
+            let r = b.json("/v1/completions", None, &req(&turn, 1));
+            let u2 = r["usage"]["kvstack"].clone();
+            assert_eq!(u2["window_source"], "dram", "{r}");
+            dram.push(u2["ttft_ms"].as_f64().unwrap());
+            seen.push((u, u2));
+        }
+    }
+    println!(
+        "window restore on node B (built-in model, {n} runs each), time to first token:",
+        n = dram.len()
+    );
+    println!("  DRAM level      p50 {:8.2} ms", p50(&mut dram));
+    println!("  Redis Cluster   p50 {:8.2} ms", p50(&mut redis));
+    println!("  bounded replay  p50 {:8.2} ms", p50(&mut replay));
+    println!(
+        "  (first/second turn usage of one conversation: {} / {})",
+        seen[0].0, seen[0].1
+    );
+
+    // A 131,072-token unit: put into A, read back from A's SSD, fetched by B from A.
+    // A 131,072-token unit with a window (a real snapshot's rows, its length set to the
+    // unit's: synthetic, as the blocks are), so B's turn on it needs no replay.
+    let mut window = window.expect("A's frame carried no window");
+    window[8..16].copy_from_slice(&(UNIT as u64).to_le_bytes());
+    let (mut local_ms, mut fetch_ms, mut put_ms) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut frame_bytes, mut fetched_bytes) = (0u64, 0u64);
+    for k in 0..3u32 {
+        let tokens: Vec<u32> = (0..UNIT as u32)
+            .map(|i| (i * 7 + k * 13 + 1) % 250)
+            .collect();
+        let blocks: Vec<Vec<u8>> = (0..UNIT / 256)
+            .map(|j| {
+                (0..block_bytes)
+                    .map(|x| ((x as u32).wrapping_mul(31) ^ j as u32 ^ k) as u8)
+                    .collect()
+            })
+            .collect();
+        let put = frame::encode(
+            UNIT as u64,
+            256,
+            Some(fp.clone()),
+            &tokens,
+            &blocks,
+            Some(&window),
+        );
+        drop(blocks);
+        let t = Instant::now();
+        let (st, body) = a.req_bytes("/v1/kv/put?durable=true", None, &put);
+        put_ms.push(t.elapsed().as_secs_f64() * 1e3);
+        assert_eq!(st, 200, "{}", String::from_utf8_lossy(&body));
+        drop(put);
+        let get = serde_json::json!({"tokens": tokens}).to_string();
+        for _ in 0..2 {
+            let t = Instant::now();
+            let (st, body) = a.req_bytes("/v1/kv/get", None, get.as_bytes());
+            let f = frame::decode(&body).unwrap();
+            local_ms.push(t.elapsed().as_secs_f64() * 1e3);
+            assert_eq!((st, f.header.tokens), (200, UNIT as u64));
+            frame_bytes = body.len() as u64;
+        }
+        // B's turn on the unit plus a token: B fetches it from A first (the daemon's own peer
+        // fetch: A's /v1/kv/get as a peer, every CRC checked, a durable write on B), as
+        // usage.peer_fetch reports.
+        let t0 = Instant::now();
+        while b.json("/v1/kv/lookup", None, &get)["cluster"]["node"] != "node-a" {
+            assert!(t0.elapsed() < Duration::from_secs(30), "never indexed");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let mut prompt = tokens.clone();
+        prompt.push(1);
+        let body = req(&prompt, 1);
+        let mut s = UnixStream::connect(&b.sock).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(600))).unwrap();
+        write!(
+            s,
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        let r: serde_json::Value =
+            serde_json::from_str(&out[out.find("\r\n\r\n").unwrap() + 4..]).unwrap();
+        let u = &r["usage"]["kvstack"];
+        assert_eq!(u["peer_fetch"]["tokens"], UNIT, "{out}");
+        assert_eq!(u["replayed_tokens"], 0, "{u}");
+        fetch_ms.push(u["peer_fetch"]["ms"].as_f64().unwrap());
+        fetched_bytes = u["peer_fetch"]["bytes"].as_u64().unwrap();
+        if k == 0 {
+            println!("  (B's turn on the fetched unit: {u})");
+        }
+    }
+    let gbs = |bytes: u64, ms: f64| bytes as f64 / (ms / 1e3) / 1e9;
+    let (l, p, w) = (p50(&mut local_ms), p50(&mut fetch_ms), p50(&mut put_ms));
+    println!("131,072-token unit with its window ({frame_bytes} frame bytes), p50 of 3 units:");
+    println!(
+        "  A's SSD via /v1/kv/get (read, CRCs, frame, Unix socket, decode) {l:8.1} ms {:6.2} GB/s",
+        gbs(frame_bytes, l)
+    );
+    println!(
+        "  B's peer fetch from A (usage.peer_fetch: GET, decode, durable)   {p:8.1} ms {:6.2} GB/s",
+        gbs(fetched_bytes, p)
+    );
+    println!(
+        "  put into A (/v1/kv/put?durable=true)                             {w:8.1} ms {:6.2} GB/s",
+        gbs(frame_bytes, w)
+    );
+    drop(a);
+    drop(b);
 }

@@ -221,7 +221,6 @@ impl Tiers {
         if let Some(w) = &data.window {
             self.put_window(tenant, ticket.key, w)?;
         }
-        self.index_unit(tenant, tokens);
         Ok(ticket)
     }
 
@@ -236,8 +235,9 @@ impl Tiers {
         let ticket =
             self.store()
                 .delete_unit(self.model(), tenant, tokens, self.geometry().page_tokens)?;
+        // Its shared prefix index entries go once the delete is durable (the store reports
+        // the unit removed).
         self.remove_window(tenant.id(), &ticket.key);
-        self.unindex_unit(tenant, tokens);
         Ok(ticket)
     }
 

@@ -41,7 +41,7 @@ pub use scan::Damage;
 pub use segment::{NamespaceLocation, StoreLocation};
 pub use store::{
     BlockSource, DeleteOutcome, DeleteTicket, ReadOutcome, ReclaimReport, RecoveryReport, SsdStore,
-    StoreHit, StoreHooks, StoreOptions, StoreStats, UnitTicket, UnitWrite,
+    StoreHit, StoreHooks, StoreOptions, StoreStats, UnitEvent, UnitTicket, UnitWrite,
 };
 pub use unit::{Restored, TierHit, TierOptions, Tiers};
 pub use window_pool::{PoolOptions, PoolStats, WindowPool};

@@ -10,15 +10,38 @@
 //!   holder's node id, CRC-32C. Written with `PX` = the store's retention, so the entries of a
 //!   node that died or evicted the unit age out; a stale entry costs the requester a miss at
 //!   the peer, never wrong bytes (the peer serves only what it holds, CRC-checked).
-//! - Entries are written when a unit is persisted (queued for the SSD, not yet durable: a
-//!   peer asked before it is durable answers with the shorter prefix it has) and removed when
-//!   this node deletes the unit, if they still name this node.
+//! - Entries are written once a unit is durable on this node's SSD (the store reports it,
+//!   [`StoreHooks::unit_durable`], also for a touch commit recording a newer use, which renews
+//!   the entries' TTL), and removed when a unit leaves the store (evicted past retention or
+//!   for its tenant's quota, or deleted: [`StoreHooks::unit_removed`]), for the blocks no other
+//!   unit of this node holds, and only where they still name this node (an atomic
+//!   compare-and-delete in Redis). The store hands the events to the [`Indexer`]'s thread,
+//!   which owns the Redis calls: the write path never waits for Redis; a full queue drops an
+//!   event (counted in [`IndexStats::dropped`]: a missing entry is a miss, a stale one ages
+//!   out).
 //! - Like the window level, every failure is a miss.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{self, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
 use kvstack_firmware_interface::record::{KEY_BYTES, Key, MODEL_BYTES};
+use serde::Serialize;
 
 use crate::key::{ModelFingerprint, key_hex};
 use crate::redis_pool::RedisPool;
+use crate::store::{StoreHooks, UnitEvent};
+
+/// Events the index thread may have queued; more are dropped (and counted).
+pub const INDEX_QUEUE: usize = 4096;
+
+/// Deletes `KEYS[1]` if it is an index entry naming the node `ARGV[1]` (its node id at
+/// bytes 74.., its length 78 + the id's: a longer id starting with this one is another node).
+const DELETE_IF_MINE: &str = "local v = redis.call('GET', KEYS[1]) \
+    if v and string.len(v) == 78 + string.len(ARGV[1]) \
+    and string.sub(v, 75, 74 + string.len(ARGV[1])) == ARGV[1] then \
+    return redis.call('DEL', KEYS[1]) end return 0";
 
 /// Magic of an index entry: "KVRI" (kvstack remote index).
 pub const ENTRY_MAGIC: [u8; 4] = *b"KVRI";
@@ -194,20 +217,242 @@ impl RedisPool {
     }
 
     /// Removes the entries of `keys` that name `node` (another node's entries stay: it
-    /// still holds the unit). Best effort.
-    pub fn index_remove(&self, tenant: u64, model: &ModelFingerprint, keys: &[Key], node: &str) {
-        for k in keys {
-            let name = self.index_key(tenant, model, k);
-            let mine = self
-                .call_counted("index GET", |c| {
-                    redis::cmd("GET").arg(&name).query::<Option<Vec<u8>>>(c)
-                })
-                .flatten()
-                .and_then(|v| decode_entry(tenant, model, k, &v))
-                .is_some_and(|e| e.node == node);
-            if mine {
-                let _ = self.call_counted("index DEL", |c| redis::cmd("DEL").arg(&name).exec(c));
+    /// holds the unit), each compared and deleted atomically in Redis, all in one pipeline.
+    /// How many were removed; `None` when Redis did not answer (best effort: the entries
+    /// then age out).
+    pub fn index_remove(
+        &self,
+        tenant: u64,
+        model: &ModelFingerprint,
+        keys: &[Key],
+        node: &str,
+    ) -> Option<u64> {
+        if keys.is_empty() {
+            return Some(0);
+        }
+        let names: Vec<String> = keys
+            .iter()
+            .map(|k| self.index_key(tenant, model, k))
+            .collect();
+        let removed = self.call_counted("index compare-and-delete pipeline", |c| {
+            let mut p = redis::cluster::cluster_pipe();
+            for k in &names {
+                p.cmd("EVAL").arg(DELETE_IF_MINE).arg(1).arg(k).arg(node);
             }
+            p.query::<Vec<u64>>(c)
+        })?;
+        Some(removed.iter().sum())
+    }
+}
+
+/// Counters of the [`Indexer`].
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct IndexStats {
+    /// Durable units whose entries Redis took.
+    pub units_indexed: u64,
+    /// Units removed from the store whose entries were handled (compare-and-delete sent).
+    pub units_unindexed: u64,
+    /// Entries deleted (they still named this node).
+    pub entries_removed: u64,
+    /// Events Redis did not take (down, refusing): the entries are missing, or left to age
+    /// out.
+    pub failed: u64,
+    /// Events dropped because the queue was full.
+    pub dropped: u64,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    units_indexed: AtomicU64,
+    units_unindexed: AtomicU64,
+    entries_removed: AtomicU64,
+    failed: AtomicU64,
+    dropped: AtomicU64,
+}
+
+impl Counters {
+    fn bump(c: &AtomicU64, n: u64) {
+        c.fetch_add(n, Ordering::Relaxed);
+    }
+}
+
+#[derive(Debug)]
+enum Job {
+    Put(UnitEvent),
+    Remove(UnitEvent),
+    Flush(mpsc::Sender<()>),
+    Stop,
+}
+
+/// The thread that keeps this node's entries of the shared prefix index (module docs): the
+/// store's hooks queue units made durable or removed, the thread writes or deletes their
+/// entries. Dropping it lets the thread finish what is queued, then joins it.
+#[derive(Debug)]
+pub struct Indexer {
+    tx: SyncSender<Job>,
+    counters: Arc<Counters>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// The [`StoreHooks`] that feed an [`Indexer`], in front of the store's own hooks (if any).
+#[derive(Debug)]
+struct IndexHooks {
+    tx: SyncSender<Job>,
+    counters: Arc<Counters>,
+    inner: Option<Arc<dyn StoreHooks>>,
+}
+
+impl IndexHooks {
+    fn offer(&self, job: Job) {
+        match self.tx.try_send(job) {
+            Ok(()) => {}
+            Err(TrySendError::Full(_)) => {
+                Counters::bump(&self.counters.dropped, 1);
+                log::debug!("shared prefix index queue full: an event is dropped");
+            }
+            // The indexer is gone (shutting down): nothing to keep.
+            Err(TrySendError::Disconnected(_)) => {}
+        }
+    }
+}
+
+impl StoreHooks for IndexHooks {
+    fn before_sync(&self) {
+        if let Some(h) = &self.inner {
+            h.before_sync();
+        }
+    }
+
+    fn unit_durable(&self, unit: &UnitEvent) {
+        if let Some(h) = &self.inner {
+            h.unit_durable(unit);
+        }
+        self.offer(Job::Put(unit.clone()));
+    }
+
+    fn unit_removed(&self, unit: &UnitEvent) {
+        if let Some(h) = &self.inner {
+            h.unit_removed(unit);
+        }
+        self.offer(Job::Remove(unit.clone()));
+    }
+}
+
+impl Indexer {
+    /// Starts the thread that indexes units of `model` under `node` on `remote`, entries living
+    /// `ttl_ms` (the store's retention); returns it and the hooks to give the store, which
+    /// call `inner` (the store's own hooks) first.
+    ///
+    /// # Errors
+    /// [`crate::Error::Io`] when the thread cannot be started.
+    pub(crate) fn start(
+        remote: Arc<RedisPool>,
+        model: ModelFingerprint,
+        node: String,
+        ttl_ms: u64,
+        inner: Option<Arc<dyn StoreHooks>>,
+    ) -> crate::Result<(Indexer, Arc<dyn StoreHooks>)> {
+        let (tx, rx) = mpsc::sync_channel::<Job>(INDEX_QUEUE);
+        let counters = Arc::new(Counters::default());
+        let c = Arc::clone(&counters);
+        let thread = std::thread::Builder::new()
+            .name("kvstack-index".into())
+            .spawn(move || {
+                // A unit of another model (never expected: a store is one model's), or a
+                // prefix unit whose model the store did not record, counts as this model's.
+                let ours = |u: &UnitEvent| u.model == model.short() || u.model == [0; 16];
+                for job in rx {
+                    match job {
+                        Job::Put(u) if ours(&u) => {
+                            let ok = remote
+                                .index_put(u.tenant, &model, &u.keys, u.tokens, &node, ttl_ms);
+                            Counters::bump(if ok { &c.units_indexed } else { &c.failed }, 1);
+                        }
+                        Job::Remove(u) if ours(&u) => {
+                            match remote.index_remove(u.tenant, &model, &u.keys, &node) {
+                                Some(n) => {
+                                    Counters::bump(&c.units_unindexed, 1);
+                                    Counters::bump(&c.entries_removed, n);
+                                }
+                                None => Counters::bump(&c.failed, 1),
+                            }
+                        }
+                        Job::Put(_) | Job::Remove(_) => {}
+                        Job::Flush(done) => {
+                            let _ = done.send(());
+                        }
+                        Job::Stop => break,
+                    }
+                }
+            })
+            .map_err(|e| {
+                crate::Error::io(
+                    "cannot start the shared prefix index thread for",
+                    "redis",
+                    e,
+                )
+            })?;
+        let hooks = Arc::new(IndexHooks {
+            tx: tx.clone(),
+            counters: Arc::clone(&counters),
+            inner,
+        });
+        Ok((
+            Indexer {
+                tx,
+                counters,
+                thread: Mutex::new(Some(thread)),
+            },
+            hooks,
+        ))
+    }
+
+    /// Queues `units` (durable units recovered from the SSD) for indexing, as many as the
+    /// queue has room for (the rest are counted as dropped: indexed at their next durable
+    /// commit, a touch or a put). Never waits.
+    pub(crate) fn reindex(&self, units: Vec<UnitEvent>) {
+        for u in units {
+            if let Err(TrySendError::Full(_)) = self.tx.try_send(Job::Put(u)) {
+                Counters::bump(&self.counters.dropped, 1);
+            }
+        }
+    }
+
+    /// Waits until every event queued before this call has been handled (written to Redis,
+    /// or failed).
+    pub fn flush(&self) {
+        let (tx, rx) = mpsc::channel();
+        if self.tx.send(Job::Flush(tx)).is_ok() {
+            let _ = rx.recv();
+        }
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> IndexStats {
+        let c = &self.counters;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        IndexStats {
+            units_indexed: get(&c.units_indexed),
+            units_unindexed: get(&c.units_unindexed),
+            entries_removed: get(&c.entries_removed),
+            failed: get(&c.failed),
+            dropped: get(&c.dropped),
+        }
+    }
+}
+
+impl Drop for Indexer {
+    fn drop(&mut self) {
+        let _ = self.tx.send(Job::Stop);
+        let handle = self
+            .thread
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(h) = handle
+            && h.join().is_err()
+        {
+            log::error!("the shared prefix index thread panicked");
         }
     }
 }

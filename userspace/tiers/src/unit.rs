@@ -29,6 +29,7 @@ use zerocopy::{FromBytes, IntoBytes};
 use crate::clock::Clock;
 use crate::key::{ModelFingerprint, Tenant};
 use crate::redis_pool::{RedisOptions, RedisPool, SnapshotId};
+use crate::shared_index::{IndexStats, Indexer};
 use crate::store::{
     BlockSource, ReadOutcome, SsdStore, StoreHit, StoreOptions, UnitTicket, UnitWrite,
 };
@@ -136,18 +137,19 @@ pub struct Restored {
 pub struct Tiers {
     store: SsdStore,
     pool: WindowPool,
-    /// The window pool's Redis level, if configured.
-    remote: Option<RedisPool>,
+    /// The window pool's Redis level, if configured (shared with the index thread).
+    remote: Option<Arc<RedisPool>>,
     /// Whether the DRAM pool is the first level in front of `remote` (always, without one).
     local_level: bool,
-    /// Lifetime of shared prefix index entries: the store's retention.
-    index_ttl_ms: u64,
     model: ModelFingerprint,
     geometry: CacheGeometry,
     interval: u64,
     align: u64,
     /// DRAM pool quotas in bytes by tenant id (`Tenant::id`); a tenant absent has none.
     dram_quotas: std::sync::RwLock<HashMap<u64, u64>>,
+    /// The thread keeping this node's shared prefix index entries, with a Redis level and a
+    /// node id. Last: dropped after the store, whose shutdown may still report units.
+    indexer: Option<Indexer>,
 }
 
 /// Bytes of one block payload of `tokens` tokens (a multiple of every ratio).
@@ -243,24 +245,46 @@ impl Tiers {
             .max()
             .unwrap_or(1);
         let remote = match &opts.remote {
-            Some(r) => Some(RedisPool::new(r.clone(), opts.pool.ttl_ms)?),
+            Some(r) => Some(Arc::new(RedisPool::new(r.clone(), opts.pool.ttl_ms)?)),
             None => None,
         };
         let local_level = opts.remote.as_ref().is_none_or(|r| r.local_level);
-        let index_ttl_ms = opts.store.retention_ms;
+        // Entries live the store's retention; the store reports units durable or removed.
+        let indexer = match (
+            &remote,
+            opts.remote.as_ref().and_then(|r| r.node_id.clone()),
+        ) {
+            (Some(r), Some(node)) => {
+                let (ix, hooks) = Indexer::start(
+                    Arc::clone(r),
+                    model,
+                    node,
+                    opts.store.retention_ms,
+                    opts.store.hooks.take(),
+                )?;
+                opts.store.hooks = Some(hooks);
+                Some(ix)
+            }
+            _ => None,
+        };
         let store = SsdStore::open(opts.store, Arc::clone(&clock))?;
+        // What recovery found is this node's again (entries written before a restart may have
+        // expired or been taken over): the most recently used units, within the queue.
+        if let Some(ix) = &indexer {
+            ix.reindex(store.durable_units(crate::shared_index::INDEX_QUEUE / 2));
+        }
         let pool = WindowPool::new(opts.pool, clock)?;
         Ok(Tiers {
             store,
             pool,
             remote,
             local_level,
-            index_ttl_ms,
             model,
             geometry,
             interval: opts.unit_interval_tokens.max(1),
             align,
             dram_quotas: Default::default(),
+            indexer,
         })
     }
 
@@ -364,7 +388,21 @@ impl Tiers {
 
     /// The window pool's Redis level, when configured.
     pub fn remote(&self) -> Option<&RedisPool> {
-        self.remote.as_ref()
+        self.remote.as_deref()
+    }
+
+    /// Waits until the shared prefix index has been told of every unit made durable or
+    /// removed before this call (written to Redis, or failed); at once without an index.
+    /// For tests and tools: the write path never waits for the index.
+    pub fn flush_index(&self) {
+        if let Some(ix) = &self.indexer {
+            ix.flush();
+        }
+    }
+
+    /// Counters of the shared prefix index thread, when there is one.
+    pub fn index_stats(&self) -> Option<IndexStats> {
+        self.indexer.as_ref().map(Indexer::stats)
     }
 
     fn snapshot_id<'a>(&'a self, tenant: u64, key: &'a Key) -> SnapshotId<'a> {
@@ -393,36 +431,6 @@ impl Tiers {
         }
         let r = self.remote.as_ref()?;
         r.get(self.snapshot_id(tenant, key), out).then_some(true)
-    }
-
-    /// Records the unit `tokens` of `tenant` in the shared prefix index under this node's id,
-    /// when there is an index (best effort: a failure is counted by the Redis level).
-    pub(crate) fn index_unit(&self, tenant: &Tenant, tokens: &[u32]) {
-        if let Some(r) = &self.remote
-            && let Some(node) = &r.options().node_id
-        {
-            let keys =
-                crate::key::chain_keys(tokens, self.geometry.page_tokens, &self.model, tenant);
-            r.index_put(
-                tenant.id(),
-                &self.model,
-                &keys,
-                tokens.len() as u64,
-                node,
-                self.index_ttl_ms,
-            );
-        }
-    }
-
-    /// Drops this node's shared prefix index entries of the unit `tokens` of `tenant`.
-    pub(crate) fn unindex_unit(&self, tenant: &Tenant, tokens: &[u32]) {
-        if let Some(r) = &self.remote
-            && let Some(node) = &r.options().node_id
-        {
-            let keys =
-                crate::key::chain_keys(tokens, self.geometry.page_tokens, &self.model, tenant);
-            r.index_remove(tenant.id(), &self.model, &keys, node);
-        }
     }
 
     /// The longest prefix of `tokens` that the shared prefix index says some node holds for
@@ -505,7 +513,6 @@ impl Tiers {
         {
             self.put_window(tenant, ticket.key, &snap)?;
         }
-        self.index_unit(tenant, &tokens[..upto as usize]);
         Ok(ticket)
     }
 

@@ -17,7 +17,8 @@ use kvstack_spec::builtin::default_config;
 use kvstack_tiers::unit::ReplayPlan;
 use kvstack_tiers::window_pool::DEFAULT_TTL_MS;
 use kvstack_tiers::{
-    ManualClock, PoolOptions, RedisOptions, StoreLocation, StoreOptions, Tenant, TierOptions, Tiers,
+    ManualClock, PoolOptions, RedisOptions, StoreHooks, StoreLocation, StoreOptions, Tenant,
+    TierOptions, Tiers,
 };
 use tiers_common::{MEM, TempDir};
 use zerocopy::{FromBytes, IntoBytes};
@@ -44,10 +45,20 @@ fn tiers_with(
     clock: Arc<ManualClock>,
     remote: Option<RedisOptions>,
 ) -> Tiers {
+    tiers_hooked(dir, clock, remote, None)
+}
+
+fn tiers_hooked(
+    dir: &std::path::Path,
+    clock: Arc<ManualClock>,
+    remote: Option<RedisOptions>,
+    hooks: Option<Arc<dyn StoreHooks>>,
+) -> Tiers {
     let mut store = StoreOptions::new(StoreLocation::Directory(dir.to_path_buf()));
     store.segment_bytes = 8 << 20;
     store.capacity_bytes = 8 * store.segment_bytes;
     store.memory = MEM;
+    store.hooks = hooks;
     let mut pool = PoolOptions::new(1);
     pool.capacity_bytes = Some(64 << 20);
     pool.memory = MEM;
@@ -432,6 +443,8 @@ fn a_second_node_restores_the_window_from_redis() {
     let seq = build(&mut src, &tokens, 4);
     a.persist(&src, seq, &tenant, 1000).unwrap().wait().unwrap();
     assert_eq!(a.remote().unwrap().stats().puts, 1);
+    // Indexed once durable, by A's index thread.
+    a.flush_index();
 
     // The shared prefix index tells B that node-a holds the 1000 tokens (4 blocks of 256,
     // the last partial), also for a longer request, and for a request that shares only the
@@ -457,6 +470,7 @@ fn a_second_node_restores_the_window_from_redis() {
         .unwrap()
         .wait()
         .unwrap();
+    b.flush_index();
     assert_eq!(b.pool().stats().entries, 0);
     // Now B holds it too: the last writer's entry wins.
     assert_eq!(
@@ -495,6 +509,7 @@ fn a_second_node_restores_the_window_from_redis() {
     // A delete on B drops the snapshot from Redis too: A, which still has it in DRAM, is
     // unaffected, but a third node would find none.
     b.delete_unit(&tenant, &tokens).unwrap().wait().unwrap();
+    b.flush_index();
     // B's entries are gone; A's were overwritten by B's, so the index has none (a stale
     // answer would only cost a miss at the peer).
     assert_eq!(b.cluster_lookup(&tokens, &tenant), None);
@@ -509,4 +524,174 @@ fn a_second_node_restores_the_window_from_redis() {
         key: &key,
     };
     assert!(!a.remote().unwrap().get(id, &mut out));
+}
+
+/// A syncer that waits while the gate is closed: units are queued and written, not durable.
+#[derive(Debug, Default)]
+struct Gate {
+    closed: std::sync::Mutex<bool>,
+    opened: std::sync::Condvar,
+}
+
+impl Gate {
+    fn set(&self, closed: bool) {
+        *self.closed.lock().unwrap() = closed;
+        self.opened.notify_all();
+    }
+}
+
+impl StoreHooks for Gate {
+    fn before_sync(&self) {
+        let mut c = self.closed.lock().unwrap();
+        while *c {
+            c = self.opened.wait(c).unwrap();
+        }
+    }
+}
+
+/// The shared prefix index follows the SSD (docs/cluster.md): an entry appears only once its
+/// unit is durable (not while it is queued), goes when the unit is evicted (its tenant's
+/// quota) or deleted, stays for blocks a longer unit of the node still holds, and is never
+/// removed where it names another node.
+#[test]
+fn index_entries_follow_durability_eviction_and_deletes() {
+    let Some(cluster) = redis_cluster::RedisCluster::start() else {
+        return;
+    };
+    let (da, db) = (TempDir::new("ix-a"), TempDir::new("ix-b"));
+    let clock = Arc::new(ManualClock::new(1_700_000_000_000));
+    let mut remote = RedisOptions::new(cluster.urls());
+    remote.key_prefix = "ix:".into();
+    remote.node_id = Some("node-a".into());
+    let gate = Arc::new(Gate::default());
+    let a = tiers_hooked(
+        da.path(),
+        clock.clone(),
+        Some(remote.clone()),
+        Some(gate.clone()),
+    );
+    remote.node_id = Some("node-b".into());
+    let b = tiers_with(db.path(), clock.clone(), Some(remote));
+    let tenant = Tenant::new("acme");
+    let node_of = |t: &Tiers, tokens: &[u32]| {
+        t.cluster_lookup(tokens, &tenant)
+            .map(|h| (h.blocks, h.entry.node, h.entry.unit_tokens))
+    };
+
+    // Queued, written, not durable (the syncer is held): no entry, also after the index
+    // thread has handled everything queued.
+    let u1: Vec<u32> = (0..600).map(|i| i * 3 + 1).collect();
+    let mut src = cache();
+    let s1 = build(&mut src, &u1, 1);
+    gate.set(true);
+    let ticket = a.persist(&src, s1, &tenant, 600).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    a.flush_index();
+    assert_eq!(node_of(&b, &u1), None, "indexed before it was durable");
+    assert_eq!(a.index_stats().unwrap().units_indexed, 0);
+    // Durable: indexed (3 blocks: 256 + 256 + 88), with a TTL of the store's retention.
+    gate.set(false);
+    ticket.wait().unwrap();
+    a.flush_index();
+    assert_eq!(node_of(&b, &u1), Some((3, "node-a".into(), 600)));
+    let ttl = cluster_ttl_ms(&cluster, &a, &tenant, &u1);
+    assert!(
+        ttl > 71 * 3_600_000 && ttl <= 72 * 3_600_000,
+        "entry TTL {ttl} ms, not the 72 h retention"
+    );
+
+    // The tenant's SSD quota holds one such unit: a second one evicts the first, whose
+    // entries go; the second's are there.
+    a.set_ssd_quotas([(&tenant, a.ssd_bytes(&tenant) * 3 / 2)]);
+    let u2: Vec<u32> = (0..600).map(|i| i * 7 + 2).collect();
+    let s2 = build(&mut src, &u2, 2);
+    a.persist(&src, s2, &tenant, 600).unwrap().wait().unwrap();
+    a.flush_index();
+    assert_eq!(a.lookup(&u1, &tenant).tokens, 0, "u1 was not evicted");
+    assert_eq!(node_of(&b, &u1), None, "the evicted unit is still indexed");
+    assert_eq!(node_of(&b, &u2), Some((3, "node-a".into(), 600)));
+    let st = a.index_stats().unwrap();
+    assert_eq!((st.units_indexed, st.units_unindexed), (2, 1), "{st:?}");
+    assert_eq!(
+        (st.entries_removed, st.failed, st.dropped),
+        (3, 0, 0),
+        "{st:?}"
+    );
+
+    // A shorter unit sharing the first two blocks of a longer one: deleting it keeps the
+    // entries of those blocks (the longer unit holds them); deleting the longer one removes
+    // every entry.
+    a.set_ssd_quotas([]);
+    a.persist(&src, s2, &tenant, 512).unwrap().wait().unwrap();
+    a.delete_unit(&tenant, &u2[..512]).unwrap().wait().unwrap();
+    a.flush_index();
+    assert_eq!(a.lookup(&u2, &tenant).tokens, 600);
+    assert_eq!(node_of(&b, &u2[..512]), Some((2, "node-a".into(), 512)));
+    assert_eq!(node_of(&b, &u2), Some((3, "node-a".into(), 600)));
+    a.delete_unit(&tenant, &u2).unwrap().wait().unwrap();
+    a.flush_index();
+    assert_eq!(node_of(&b, &u2), None);
+    assert_eq!(node_of(&b, &u2[..300]), None);
+
+    // Entries naming another node are not A's to remove: B holds u3 too (written last, its
+    // entries win); A deleting its copy leaves them.
+    let u3: Vec<u32> = (0..300).map(|i| i * 5 + 9).collect();
+    let s3 = build(&mut src, &u3, 3);
+    a.persist(&src, s3, &tenant, 300).unwrap().wait().unwrap();
+    let hit = a.lookup(&u3, &tenant);
+    let data = a.read_unit(&u3, &hit).unwrap().unwrap();
+    a.flush_index();
+    b.write_unit(&tenant, &u3, &data).unwrap().wait().unwrap();
+    b.flush_index();
+    assert_eq!(node_of(&a, &u3), Some((2, "node-b".into(), 300)));
+    a.delete_unit(&tenant, &u3).unwrap().wait().unwrap();
+    a.flush_index();
+    assert_eq!(node_of(&a, &u3), Some((2, "node-b".into(), 300)));
+    // Another tenant never sees any of it.
+    assert_eq!(b.cluster_lookup(&u3, &Tenant::new("other")), None);
+
+    // Reopened, A indexes what recovery found: an entry lost meanwhile (expired, dropped) is
+    // written again.
+    let u4: Vec<u32> = (0..400).map(|i| i * 11 + 5).collect();
+    let s4 = build(&mut src, &u4, 4);
+    a.persist(&src, s4, &tenant, 400).unwrap().wait().unwrap();
+    a.flush_index();
+    let keys = kvstack_tiers::key::chain_keys(&u4, 256, a.model(), &tenant);
+    let removed = a
+        .remote()
+        .unwrap()
+        .index_remove(tenant.id(), a.model(), &keys, "node-a");
+    assert_eq!(removed, Some(2));
+    assert_eq!(node_of(&b, &u4), None);
+    drop(a);
+    let mut remote = RedisOptions::new(cluster.urls());
+    remote.key_prefix = "ix:".into();
+    remote.node_id = Some("node-a".into());
+    let a = tiers_with(da.path(), clock.clone(), Some(remote));
+    a.flush_index();
+    assert_eq!(node_of(&b, &u4), Some((2, "node-a".into(), 400)));
+    // u1, evicted in memory only (its commit was still on disk), came back with recovery:
+    // indexed again too, as the node holds it again.
+    assert_eq!(a.lookup(&u1, &tenant).tokens, 600);
+    assert_eq!(node_of(&b, &u1), Some((3, "node-a".into(), 600)));
+    assert_eq!(a.index_stats().unwrap().units_indexed, 2);
+}
+
+/// The remaining TTL (ms) of the index entry of `tokens`' first block, read with redis-cli.
+fn cluster_ttl_ms(
+    cluster: &redis_cluster::RedisCluster,
+    t: &Tiers,
+    tenant: &Tenant,
+    tokens: &[u32],
+) -> u64 {
+    let keys = kvstack_tiers::key::chain_keys(tokens, 256, t.model(), tenant);
+    let key = t
+        .remote()
+        .unwrap()
+        .index_key(tenant.id(), t.model(), &keys[0]);
+    let out = std::process::Command::new("redis-cli")
+        .args(["-c", "-p", &cluster.ports()[0].to_string(), "PTTL", &key])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
 }

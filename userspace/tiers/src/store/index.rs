@@ -10,7 +10,7 @@ use kvstack_driver::blockio::{BlockEngine, BufferPool, EngineChoice, EnginePrefe
 use kvstack_firmware_interface::record::Key;
 
 use super::SsdStore;
-use super::options::{RecoveryReport, StoreOptions};
+use super::options::{RecoveryReport, StoreHooks, StoreOptions, UnitEvent};
 use super::put::{Job, UnitJob};
 use crate::clock::Clock;
 use crate::segment::{NsMedia, SegmentFile, Space};
@@ -157,6 +157,9 @@ pub(super) struct State {
     pub(super) tenant_bytes: HashMap<u64, u64>,
     /// SSD byte quotas by tenant id; a tenant absent has none (`quota.rs`).
     pub(super) quotas: HashMap<u64, u64>,
+    /// The options' hooks, here so that whatever removes a unit reports it
+    /// ([`StoreHooks::unit_removed`]).
+    pub(super) hooks: Option<Arc<dyn StoreHooks>>,
 }
 
 #[derive(Default)]
@@ -451,6 +454,15 @@ pub(super) fn publish(st: &mut State, job: &UnitJob, loc: Option<Loc>, shared: &
         add_seg(st.orphans.entry(end).or_default(), loc.seg);
         return;
     }
+    // A prefix unit a lookup created records no tenant in its touch; its blocks do.
+    let tenant = match job.tenant_id {
+        0 => job
+            .keys
+            .first()
+            .and_then(|k| st.blocks.get(k))
+            .map_or(0, |b| b.tenant),
+        t => t,
+    };
     // A commit newer than a delete of its key (the unit put again, or a prefix of a longer
     // unit read and so given a unit here): the delete no longer counts, and the older commits
     // it covered are the unit's to answer for (a later delete must outlive them too).
@@ -494,10 +506,13 @@ pub(super) fn publish(st: &mut State, job: &UnitJob, loc: Option<Loc>, shared: &
         }
     };
     if job.touch {
-        count_commit(units);
+        if count_commit(units) {
+            durable(shared, job, tenant);
+        }
         return;
     }
     if count_commit(units) {
+        durable(shared, job, tenant);
         // The same unit was committed twice (two identical puts in flight): one coverage.
         for k in &job.keys {
             if let Some(b) = blocks.get_mut(k) {
@@ -546,9 +561,23 @@ pub(super) fn publish(st: &mut State, job: &UnitJob, loc: Option<Loc>, shared: &
         s.live += loc.len;
         s.units.insert(end);
     }
+    durable(shared, job, tenant);
     // Puts in flight together (or shared blocks its own put evicted) may take the tenant
     // past its quota: its other least recently used units make way, never this one.
     super::quota::settle(st, job.tenant_id, &end, shared);
+}
+
+/// Reports `job`'s unit durable to the hooks, if any.
+fn durable(shared: &Shared, job: &UnitJob, tenant: u64) {
+    if let Some(h) = &shared.opts.hooks {
+        h.unit_durable(&UnitEvent {
+            end: job.end,
+            tenant,
+            model: job.model,
+            tokens: job.tokens,
+            keys: job.keys.clone(),
+        });
+    }
 }
 
 /// Adds `seg` to a set of segment ids kept as a short vector.
@@ -571,10 +600,14 @@ pub(super) fn remove_unit(st: &mut State, end: &Key) -> Option<UnitMeta> {
     {
         s.live = s.live.saturating_sub(l.len);
     }
+    let mut uncovered = Vec::new();
     for k in &keys {
         let dead = match st.blocks.get_mut(k) {
             Some(b) => {
                 super::quota::uncover(b, &mut st.tenant_bytes);
+                if b.covered == 0 {
+                    uncovered.push((*k, b.tenant));
+                }
                 b.covered == 0 && b.pinned == 0
             }
             None => false,
@@ -582,6 +615,21 @@ pub(super) fn remove_unit(st: &mut State, end: &Key) -> Option<UnitMeta> {
         if dead {
             drop_block(st, k);
         }
+    }
+    if let Some(h) = &st.hooks
+        && !uncovered.is_empty()
+    {
+        h.unit_removed(&UnitEvent {
+            end: *end,
+            // A prefix unit a lookup created records no tenant; its blocks do.
+            tenant: match u.tenant_id {
+                0 => uncovered[0].1,
+                t => t,
+            },
+            model: u.model,
+            tokens: u.tokens,
+            keys: uncovered.into_iter().map(|(k, _)| k).collect(),
+        });
     }
     Some(u)
 }

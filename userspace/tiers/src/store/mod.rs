@@ -63,7 +63,7 @@ pub use delete::{DeleteOutcome, DeleteTicket};
 pub(crate) use open::scan_location;
 pub use options::{
     DEFAULT_RETENTION_MS, ReclaimReport, RecoveryReport, StoreHooks, StoreOptions, StoreStats,
-    V41_BLOCK_PAYLOAD,
+    UnitEvent, V41_BLOCK_PAYLOAD,
 };
 pub use put::{BlockSource, UnitTicket, UnitWrite};
 pub use read::{ReadOutcome, StoreHit};
@@ -169,6 +169,32 @@ impl SsdStore {
             log::error!("the store's writer thread panicked");
         }
         sent
+    }
+
+    /// Up to `max` durable units as [`StoreHooks::unit_durable`] reports them (tenant, model,
+    /// chain keys), most recently used first: what recovery found, for an index of them.
+    pub fn durable_units(&self, max: usize) -> Vec<UnitEvent> {
+        let st = self.shared.lock();
+        st.by_age
+            .iter()
+            .rev()
+            .filter_map(|(_, end)| {
+                let u = st.units.get(end).filter(|u| u.loc.is_some())?;
+                let keys = index::chain_of(&st, end);
+                let tenant = match u.tenant_id {
+                    0 => st.blocks.get(keys.first()?)?.tenant,
+                    t => t,
+                };
+                Some(UnitEvent {
+                    end: *end,
+                    tenant,
+                    model: u.model,
+                    tokens: u.tokens,
+                    keys,
+                })
+            })
+            .take(max)
+            .collect()
     }
 
     /// Every unit: `(key, tokens, last use)` (for tests and tools).

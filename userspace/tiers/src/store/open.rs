@@ -512,6 +512,7 @@ impl SsdStore {
             pins: HashMap::new(),
             tenant_bytes,
             quotas: HashMap::new(),
+            hooks: opts.hooks.clone(),
         };
         let read_only = opts.read_only;
         let shared = Arc::new(Shared {

@@ -2,7 +2,7 @@
 
 use kvstack_driver::blockio::{EngineChoice, EnginePreference};
 use kvstack_driver::pinned::PinnedOptions;
-use kvstack_firmware_interface::record::{KEY_BYTES, SEGMENT_HEADER_PAGE, record_len};
+use kvstack_firmware_interface::record::{KEY_BYTES, Key, SEGMENT_HEADER_PAGE, record_len};
 use kvstack_firmware_interface::{GlobalFp4Entry, IndexMxfp4Entry};
 use serde::Serialize;
 use std::sync::Arc;
@@ -68,11 +68,39 @@ pub struct StoreOptions {
 }
 
 /// Points in the store's threads where a test or a fault-injection harness may act (delay,
-/// record, fail), as a slow or failing disk would. Production stores have none.
+/// record, fail), as a slow or failing disk would, and where the shared prefix index learns
+/// which units this store holds (`Tiers` installs hooks for that when it has one,
+/// `docs/cluster.md`).
 pub trait StoreHooks: Send + Sync + std::fmt::Debug {
     /// On the syncer thread, before each batch's sync: a delay here makes the writer run ahead
     /// of publication, as it does on a slow disk.
     fn before_sync(&self) {}
+
+    /// A unit's commit (or a touch commit recording a newer use) is durable and the unit
+    /// visible. Called on the syncer thread with the store's lock held: it must not block nor
+    /// call into the store (hand the event to another thread).
+    fn unit_durable(&self, _unit: &UnitEvent) {}
+
+    /// A unit left the store (evicted past retention or for its tenant's quota, or deleted);
+    /// [`UnitEvent::keys`] names its blocks no other unit holds any more. Called with the
+    /// store's lock held, on whichever thread removed it: must not block.
+    fn unit_removed(&self, _unit: &UnitEvent) {}
+}
+
+/// A unit as [`StoreHooks::unit_durable`] and [`StoreHooks::unit_removed`] report it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UnitEvent {
+    /// The unit's key (its last block's).
+    pub end: Key,
+    /// `Tenant::id` of its tenant.
+    pub tenant: u64,
+    /// The first 16 bytes of its model fingerprint.
+    pub model: [u8; 16],
+    /// Tokens of the unit.
+    pub tokens: u64,
+    /// Durable: every block key of the unit, first to last. Removed: the keys of its blocks
+    /// that no unit of the store covers any more (blocks shared with a longer unit stay).
+    pub keys: Vec<Key>,
 }
 
 impl StoreOptions {

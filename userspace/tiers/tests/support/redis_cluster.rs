@@ -273,6 +273,22 @@ impl RedisCluster {
             .collect()
     }
 
+    /// The port of the master that holds `key` now (`KEYS` on each master: the literal key,
+    /// so it must contain no glob characters), if any does.
+    pub fn holder_of(&self, key: &str) -> Option<u16> {
+        self.masters().into_iter().find(|&p| {
+            self.cli(p, &["keys", key])
+                .is_some_and(|o| o.lines().any(|l| l.trim() == key))
+        })
+    }
+
+    /// Kills the node listening on `port` (SIGKILL) and waits for it.
+    pub fn kill_port(&mut self, port: u16) {
+        if let Some(i) = self.ports.iter().position(|&p| p == port) {
+            self.kill(i);
+        }
+    }
+
     /// Kills node `i` (SIGKILL) and waits for it.
     pub fn kill(&mut self, i: usize) {
         if let Some(mut c) = self.children[i].take() {
