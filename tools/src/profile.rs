@@ -16,6 +16,8 @@ use crate::error::CliError;
 use crate::flags;
 
 /// What `kvstack profile` does.
+// Parsed once per process: the size of the replay's arguments costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 pub enum ProfileOp {
     /// Replay a request trace (Mooncake JSONL) through the real SSD store, DRAM window pool
@@ -98,6 +100,15 @@ pub struct ReplayArgs {
     /// Print JSON instead of text (one report; `{"runs": [...]}` for several).
     #[arg(long)]
     json: bool,
+    /// Split the trace over N in-process nodes (each its own SSD store, DRAM pool and paged
+    /// cache), round-robin by arrival; N > 1 replays twice: without and with the shared tiers
+    /// (peer fetches of units, a shared window level).
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = flags::count::<usize>(1, 64))]
+    nodes: usize,
+    /// Redis Cluster seed nodes (`redis://HOST:PORT`, comma-separated) for the shared window
+    /// level of `--nodes`; without it the level is modelled in process.
+    #[arg(long, value_name = "URL[,URL..]", value_delimiter = ',')]
+    redis_cluster: Vec<String>,
 }
 
 /// Arguments of `kvstack profile plan`.
@@ -271,11 +282,34 @@ fn replay(a: &ReplayArgs) -> Result<(), CliError> {
             eprintln!("  {prefill:.1} prefill tokens/s ({source})");
         }
     }
+    if !a.redis_cluster.is_empty() && a.nodes < 2 {
+        return Err(CliError::Usage {
+            flag: "--redis-cluster",
+            reason: "needs --nodes 2 or more (it is the shared window level)".into(),
+        });
+    }
+    for u in &a.redis_cluster {
+        if !u.starts_with("redis://") {
+            return Err(CliError::Usage {
+                flag: "--redis-cluster",
+                reason: format!("`{u}` is not a redis://HOST:PORT URL"),
+            });
+        }
+    }
+    let modes: &[bool] = if a.nodes > 1 {
+        &[false, true]
+    } else {
+        &[false]
+    };
     let mut runs: Vec<ReplayReport> = Vec::new();
-    let total = models.len() * pools.len() * a.ssd_capacity.len();
+    let total = models.len() * pools.len() * a.ssd_capacity.len() * modes.len();
     for m in &models {
         for &pool in &pools {
-            for &cap in &a.ssd_capacity {
+            for (&cap, &shared) in a
+                .ssd_capacity
+                .iter()
+                .flat_map(|c| modes.iter().map(move |s| (c, s)))
+            {
                 let mut o = ReplayOptions::new(a.data_dir.clone(), m.clone());
                 o.ssd_capacity_bytes = cap;
                 o.retention_ms = a.retention;
@@ -291,13 +325,24 @@ fn replay(a: &ReplayArgs) -> Result<(), CliError> {
                 o.decode_tokens_per_s = a.decode_tokens_per_s;
                 o.bucket_ms = a.bucket;
                 o.trace_name = a.trace.display().to_string();
-                let label = format!(
+                o.nodes = a.nodes;
+                o.shared_tiers = shared;
+                o.redis_cluster = a.redis_cluster.clone();
+                let mut label = format!(
                     "run {}/{total} ({}, ssd {:.1} GB, pool {:.1} GB)",
                     runs.len() + 1,
                     m.name,
                     cap as f64 / 1e9,
                     pool as f64 / 1e9
                 );
+                if a.nodes > 1 {
+                    let how = if shared {
+                        "shared tiers"
+                    } else {
+                        "own tiers only"
+                    };
+                    label = format!("{label}, {} nodes, {how}", a.nodes);
+                }
                 let mut shown = Shown::new(trace.requests.len() as u64, label, quiet);
                 let r = kvstack_bench::profile::replay(&trace, &o, &mut |p| shown.update(p))
                     .map_err(CliError::Profile)?;
@@ -335,6 +380,7 @@ fn summary(out: &mut impl Write, runs: &[ReplayReport]) -> std::io::Result<()> {
         "{:<40} {:>9} {:>9} {:>8} {:>8} {:>8} {:>8} {:>8} {:>9} {:>8}",
         "model", "ssd GB", "pool GB", "hit", "live", "cache", "pool", "ssd", "replayed", "refused"
     )?;
+    let nodes = runs.iter().any(|r| r.cluster.is_some());
     for r in runs {
         let h = &r.hit_rate_by_source;
         let p = |x: f64| format!("{:.1}%", 100.0 * x);
@@ -352,6 +398,22 @@ fn summary(out: &mut impl Write, runs: &[ReplayReport]) -> std::io::Result<()> {
             p(h.replayed),
             r.ssd.units_refused_full
         )?;
+        if nodes {
+            // Runs of several nodes: which mode, and what came from peers.
+            let c = r.cluster.as_ref();
+            writeln!(
+                out,
+                "  {} nodes, {}: peer {}, windows from the shared level {}",
+                c.map_or(1, |c| c.nodes),
+                if c.is_some_and(|c| c.shared_tiers) {
+                    "shared tiers"
+                } else {
+                    "own tiers only"
+                },
+                p(h.peer),
+                c.map_or(0, |c| c.windows_from_shared_level)
+            )?;
+        }
     }
     Ok(())
 }

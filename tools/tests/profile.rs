@@ -209,3 +209,55 @@ fn plan_sizes_the_tiers() {
         .unwrap();
     assert!(String::from_utf8_lossy(&text.stdout).contains("SSD capacity"));
 }
+
+#[test]
+fn two_nodes_report_both_modes() {
+    let d = tempfile::tempdir().unwrap();
+    let t = trace(d.path());
+    let mut c = kvstack();
+    c.args([
+        "profile",
+        "replay",
+        "--trace",
+        t.to_str().unwrap(),
+        "--json",
+    ])
+    .args(["--ssd-capacity", "64M", "--nodes", "2"]);
+    small(&mut c, d.path());
+    let out = c.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let runs = v["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 2, "without and with the shared tiers");
+    for (r, shared) in runs.iter().zip([false, true]) {
+        assert_eq!(r["cluster"]["nodes"], 2);
+        assert_eq!(r["cluster"]["shared_tiers"], shared);
+        assert_eq!(r["cluster"]["requests_per_node"], serde_json::json!([2, 1]));
+    }
+    assert!(runs[0]["cluster"]["shared_window_level"].is_null());
+    assert_eq!(
+        runs[1]["cluster"]["shared_window_level"],
+        "in-process model"
+    );
+    // Request 1 (node 1) extends request 0's prefix, which only node 0 holds.
+    assert!(runs[1]["tokens_by_source"]["peer"].as_u64().unwrap() > 0);
+
+    // The Redis level needs several nodes, and URLs.
+    for args in [
+        &["--redis-cluster", "redis://127.0.0.1:7000"][..],
+        &["--nodes", "2", "--redis-cluster", "127.0.0.1:7000"][..],
+    ] {
+        let mut c = kvstack();
+        c.args(["profile", "replay", "--trace", t.to_str().unwrap()])
+            .args(args);
+        small(&mut c, d.path());
+        let out = c.output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("--redis-cluster"), "{err}");
+    }
+}

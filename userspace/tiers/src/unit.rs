@@ -518,7 +518,7 @@ impl Tiers {
 
     /// The window snapshot of `seq` (rows and pending state), or `None` when its window does
     /// not hold every row it should (after a prefix hit whose window was not rebuilt).
-    fn window_snapshot(&self, cache: &KvCache, seq: SequenceId) -> Result<Option<Vec<u8>>> {
+    pub fn window_snapshot(&self, cache: &KvCache, seq: SequenceId) -> Result<Option<Vec<u8>>> {
         let g = &self.geometry;
         let len = cache.len(seq).map_err(Error::Cache)?;
         let rows = len.min(g.window_tokens as u64);

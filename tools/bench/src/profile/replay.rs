@@ -14,12 +14,13 @@ use kvstack_spec::plan::LayerPlan;
 use kvstack_spec::{CacheReport as CalcReport, FormatOverrides, ModelConfig};
 use kvstack_tiers::unit::{block_payload_bytes, snapshot_bytes};
 use kvstack_tiers::{
-    ManualClock, PoolOptions, StoreLocation, StoreOptions, Tenant, TierOptions, Tiers, UnitTicket,
+    ManualClock, PoolOptions, RedisOptions, StoreLocation, StoreOptions, Tenant, TierOptions,
+    Tiers, UnitTicket, WindowPool,
 };
 
 use super::report::{
-    CacheReport, CostReport, Latencies, Percentiles, PoolReport, ReplayReport, Samples, Series,
-    SsdReport, TokensBySource,
+    CacheReport, ClusterReport, CostReport, Latencies, Percentiles, PoolReport, ReplayReport,
+    Samples, Series, SsdReport, TokensBySource,
 };
 use super::tokens::Sessions;
 use super::trace::{TRACE_BLOCK_TOKENS, Trace};
@@ -82,6 +83,18 @@ pub struct ReplayOptions {
     pub memory: PinnedOptions,
     /// Name of the trace for the report.
     pub trace_name: String,
+    /// In-process nodes, each with its own SSD store (a subdirectory), DRAM window pool and
+    /// paged cache; requests go to them round-robin in arrival order (request `i` to node
+    /// `i % nodes`). 1: one node, as without the option.
+    pub nodes: usize,
+    /// With several nodes: on a local miss a node fetches the longest unit another node holds
+    /// for the prompt (its stored bytes read there, written and made durable here), and
+    /// windows come from a shared second level (`docs/profile.md`, "Several nodes").
+    pub shared_tiers: bool,
+    /// Seed URLs of a Redis Cluster for the shared window level (`redis://HOST:PORT`); empty:
+    /// the level is modelled in process (a window pool shared by the nodes, same TTL on trace
+    /// time, the capacity of one node's pool).
+    pub redis_cluster: Vec<String>,
 }
 
 impl ReplayOptions {
@@ -107,6 +120,9 @@ impl ReplayOptions {
             bucket_ms: None,
             memory: PinnedOptions::default(),
             trace_name: "<memory>".into(),
+            nodes: 1,
+            shared_tiers: false,
+            redis_cluster: Vec::new(),
         }
     }
 }
@@ -245,7 +261,31 @@ fn reset_peak_rss() {
     }
 }
 
-/// The replay's state (module docs of [`super`]).
+/// One node's own tiers, parked while another node handles a request.
+struct Node {
+    tiers: Tiers,
+    cache: KvCache,
+    live: LiveSet,
+    tickets: Vec<UnitTicket>,
+    dirty: bool,
+    dirty_since: Option<Instant>,
+}
+
+/// Counters of a run over several nodes.
+#[derive(Default)]
+struct ClusterCounts {
+    requests_per_node: Vec<u64>,
+    peer_fetches: u64,
+    peer_fetch_failures: u64,
+    peer_bytes: u64,
+    windows_shared: u64,
+    shared_puts: u64,
+    shared_hits: u64,
+}
+
+/// The replay's state (module docs of [`super`]). With several nodes, `tiers`, `cache`,
+/// `live`, `tickets`, `dirty` and `dirty_since` are the current node's (`cur`); the others
+/// are parked in `parked`.
 struct Replay<'a> {
     trace: &'a Trace,
     opts: &'a ReplayOptions,
@@ -294,6 +334,11 @@ struct Replay<'a> {
     /// Peak SSD live, pool and paged-cache bytes at samples.
     peaks: (u64, u64, u64),
     start: Instant,
+    parked: Vec<Option<Node>>,
+    cur: usize,
+    /// The in-process model of the shared window level (shared tiers without Redis).
+    shared_pool: Option<WindowPool>,
+    cluster: ClusterCounts,
 }
 
 impl Replay<'_> {
@@ -314,8 +359,56 @@ impl Replay<'_> {
         }
     }
 
-    /// Waits until everything queued is durable and settles the tickets.
+    /// Makes node `k` the current one (its tiers in `self`, the current one's parked).
+    fn switch(&mut self, k: usize) {
+        if k == self.cur {
+            return;
+        }
+        let Some(mut n) = self.parked.get_mut(k).and_then(Option::take) else {
+            return;
+        };
+        std::mem::swap(&mut self.tiers, &mut n.tiers);
+        std::mem::swap(&mut self.cache, &mut n.cache);
+        std::mem::swap(&mut self.live, &mut n.live);
+        std::mem::swap(&mut self.tickets, &mut n.tickets);
+        std::mem::swap(&mut self.dirty, &mut n.dirty);
+        std::mem::swap(&mut self.dirty_since, &mut n.dirty_since);
+        self.parked[self.cur] = Some(n);
+        self.cur = k;
+    }
+
+    /// The node that serves request `req`: round-robin in arrival order.
+    fn node_of(&self, req: usize) -> usize {
+        req % self.parked.len().max(1)
+    }
+
+    /// The tiers and paged cache of every node, the current one first.
+    fn all_nodes(&self) -> Vec<(&Tiers, &KvCache)> {
+        let mut v = vec![(&self.tiers, &self.cache)];
+        v.extend(self.parked.iter().flatten().map(|n| (&n.tiers, &n.cache)));
+        v
+    }
+
+    /// Waits until everything queued on every node is durable and settles the tickets.
     fn flush(&mut self) -> Result<()> {
+        let cur = self.cur;
+        for k in 0..self.parked.len() {
+            let dirty = if k == cur {
+                self.dirty
+            } else {
+                self.parked[k].as_ref().is_some_and(|n| n.dirty)
+            };
+            if dirty {
+                self.switch(k);
+                self.flush_node()?;
+            }
+        }
+        self.switch(cur);
+        self.flush_node()
+    }
+
+    /// [`Replay::flush`] of the current node.
+    fn flush_node(&mut self) -> Result<()> {
         if !self.dirty {
             return Ok(());
         }
@@ -378,16 +471,22 @@ impl Replay<'_> {
 
     /// Records occupancy at the end of buckets `b0 .. b1` (unchanged over skipped ones).
     fn sample(&mut self, b0: usize, b1: usize) {
-        let st = self.tiers.store().stats();
-        let pool = self.tiers.pool().stats();
-        let usage = self.cache.usage();
-        let ssd = (st.live_bytes as f64 * self.geo.ssd_scale) as u64;
-        let pool_bytes = (pool.entries * pool.slot_bytes) as f64 * self.geo.pool_scale;
-        let cache = usage.global.in_use_bytes + usage.index.in_use_bytes;
+        let (mut live, mut all_written, mut pool_held, mut cache) = (0, 0, 0, 0);
+        for (tiers, kv) in self.all_nodes() {
+            let st = tiers.store().stats();
+            let pool = tiers.pool().stats();
+            let usage = kv.usage();
+            live += st.live_bytes;
+            all_written += st.bytes_written;
+            pool_held += pool.entries * pool.slot_bytes;
+            cache += usage.global.in_use_bytes + usage.index.in_use_bytes;
+        }
+        let ssd = (live as f64 * self.geo.ssd_scale) as u64;
+        let pool_bytes = pool_held as f64 * self.geo.pool_scale;
         let cache = (cache as f64 * self.geo.bytes_per_token
             / self.native_bytes_per_token().max(1.0)) as u64;
-        let written = st.bytes_written - self.last_written;
-        self.last_written = st.bytes_written;
+        let written = all_written - self.last_written;
+        self.last_written = all_written;
         let secs = self.series.bucket_ms as f64 / 1e3;
         let s = &mut self.series;
         for b in b0..b1.min(b0 + 100_000) {
@@ -424,7 +523,18 @@ impl Replay<'_> {
             self.dirty_since.get_or_insert_with(Instant::now);
             self.dirty = true;
             match r {
-                Ok(ticket) => self.tickets.push(ticket),
+                Ok(ticket) => {
+                    // The shared level's copy of the window the node just put in its own pool
+                    // (the Redis level gets it from `Tiers::persist` itself).
+                    if let Some(shared) = &self.shared_pool
+                        && p == self.cache.len(seq)?
+                        && let Some(snap) = self.tiers.window_snapshot(&self.cache, seq)?
+                    {
+                        shared.put(ticket.key, &snap)?;
+                        self.cluster.shared_puts += 1;
+                    }
+                    self.tickets.push(ticket);
+                }
                 // Counted by the store (`refused_queue`).
                 Err(kvstack_tiers::Error::QueueFull { .. }) => {}
                 Err(e) => {
@@ -462,7 +572,82 @@ impl Replay<'_> {
         }
     }
 
+    /// With shared tiers, before a local lookup: fetches the longest unit of the prompt that
+    /// another node holds, when it is longer than this node's, into this node's store (its
+    /// stored bytes read there, written and made durable here), and puts a window the shared
+    /// level holds at the end of the unit the node then has into its DRAM pool. Returns the
+    /// tokens this node held before (for counting `peer` tokens) and whether a window came
+    /// from the in-process shared level.
+    fn shared_lookup(&mut self, cut: &[u32]) -> Result<(u64, bool)> {
+        let local = self.tiers.lookup(cut, &self.tenant);
+        let before = local.tokens;
+        let mut best = None;
+        let mut best_tokens = before;
+        for (k, n) in self.parked.iter().enumerate() {
+            let Some(n) = n else { continue };
+            let h = n.tiers.lookup(cut, &self.tenant);
+            if h.tokens > best_tokens {
+                best_tokens = h.tokens;
+                best = Some((k, h));
+            }
+        }
+        if let Some((k, h)) = best
+            && let Some(holder) = self.parked[k].as_mut()
+        {
+            let data = holder.tiers.read_unit(cut, &h)?;
+            // A read counts as a use: its touch is flushed with the holder's writes.
+            holder.dirty = true;
+            holder.dirty_since.get_or_insert_with(Instant::now);
+            match data {
+                Some(mut d) => {
+                    // The window travels through the shared level, not with the unit.
+                    d.window = None;
+                    let unit = &cut[..h.tokens as usize];
+                    let done = match self.tiers.write_unit(&self.tenant, unit, &d) {
+                        Ok(ticket) => {
+                            self.tiers.flush()?;
+                            ticket.wait()
+                        }
+                        Err(e) => Err(e),
+                    };
+                    match done {
+                        Ok(()) => {
+                            self.cluster.peer_fetches += 1;
+                            self.cluster.peer_bytes += d.payload_bytes();
+                        }
+                        Err(e) => {
+                            log::debug!("peer fetch of {} tokens: {e}", h.tokens);
+                            self.cluster.peer_fetch_failures += 1;
+                        }
+                    }
+                }
+                None => self.cluster.peer_fetch_failures += 1,
+            }
+        }
+        let mut from_shared = false;
+        if let Some(shared) = &self.shared_pool {
+            let hit = self.tiers.lookup(cut, &self.tenant);
+            if hit.tokens > 0
+                && !hit.window
+                && let Some(key) = hit.key()
+            {
+                let mut snap = Vec::new();
+                if shared.get(&key, &mut snap) {
+                    self.cluster.shared_hits += 1;
+                    self.tiers.pool().put(key, &snap)?;
+                    from_shared = true;
+                }
+            }
+        }
+        Ok((before, from_shared))
+    }
+
     fn arrive(&mut self, req: usize) -> Result<()> {
+        let node = self.node_of(req);
+        self.switch(node);
+        if let Some(n) = self.cluster.requests_per_node.get_mut(node) {
+            *n += 1;
+        }
         let r = &self.trace.requests[req];
         let mut tokens = std::mem::take(&mut self.tokens_buf);
         self.sessions.prompt(self.trace, req, &mut tokens);
@@ -495,6 +680,11 @@ impl Replay<'_> {
             Some(s) => s,
             None => {
                 let cut = &tokens[..tokens.len() - 1];
+                let (before, window_shared) = if self.opts.shared_tiers && self.parked.len() > 1 {
+                    self.shared_lookup(cut)?
+                } else {
+                    (u64::MAX, false)
+                };
                 let t = Instant::now();
                 let hit = self.tiers.lookup(cut, &self.tenant);
                 self.lat.lookup.push(ms(t.elapsed()));
@@ -536,14 +726,20 @@ impl Replay<'_> {
                 }
                 reused = restored.tokens;
                 let (mut mapped, mut read) = (restored.mapped_tokens, restored.read_tokens);
+                let mut read_end = restored.tokens;
                 if self.geo.has_window && reused > 0 {
                     let w = self.window_tokens.min(reused);
                     let from_read = w.min(read);
                     read -= from_read;
+                    read_end -= from_read;
                     mapped -= w - from_read;
                     if restored.window {
                         src.dram_pool = w;
-                        self.windows_from_pool += 1;
+                        if restored.window_remote || window_shared {
+                            self.cluster.windows_shared += 1;
+                        } else {
+                            self.windows_from_pool += 1;
+                        }
                     } else {
                         src.replayed = w;
                         self.window_replays += 1;
@@ -551,7 +747,12 @@ impl Replay<'_> {
                 }
                 replay = restored.replay;
                 src.dram_cache = mapped;
-                src.ssd = read;
+                // Tokens read here that this node held only thanks to a peer fetch.
+                let peer = read_end
+                    .saturating_sub(before.max(restored.mapped_tokens))
+                    .min(read);
+                src.peer = peer;
+                src.ssd = read - peer;
                 restored.seq
             }
         };
@@ -618,6 +819,7 @@ impl Replay<'_> {
     }
 
     fn prefill_done(&mut self, req: u32) -> Result<()> {
+        self.switch(self.node_of(req as usize));
         let Some(f) = self.flights.get(&req) else {
             return Ok(());
         };
@@ -646,6 +848,7 @@ impl Replay<'_> {
     }
 
     fn decode_done(&mut self, req: u32) -> Result<()> {
+        self.switch(self.node_of(req as usize));
         let Some(f) = self.flights.get(&req) else {
             return Ok(());
         };
@@ -798,6 +1001,7 @@ fn replay_in(
             ),
         });
     }
+    let nodes = opts.nodes.max(1);
     let mut store = StoreOptions::new(StoreLocation::Directory(dir.to_path_buf()));
     store.capacity_bytes = store_capacity;
     store.segment_bytes = segment;
@@ -830,8 +1034,31 @@ fn replay_in(
         memory: opts.memory,
     };
     tier_opts.weights_id = b"kvstack profile".to_vec();
+    let shared = nodes > 1 && opts.shared_tiers;
+    if shared && !opts.redis_cluster.is_empty() {
+        let mut r = RedisOptions::new(opts.redis_cluster.clone());
+        // This run's keys only: the run directory's name is unique on this host.
+        r.key_prefix = format!(
+            "{}:",
+            dir.file_name().map_or_else(
+                || "kvstack-profile".into(),
+                |n| n.to_string_lossy().into_owned()
+            )
+        );
+        tier_opts.remote = Some(r);
+    }
     let clock = Arc::new(ManualClock::new(EPOCH_MS));
-    let tiers = Tiers::open(&geo.cfg, PAGE_TOKENS, tier_opts, clock.clone())?;
+    // Node k's store is in `node-k` (one node: the run directory itself, as always).
+    let open_node = |k: usize| -> Result<Tiers> {
+        let mut o = tier_opts.clone();
+        if nodes > 1 {
+            let d = dir.join(format!("node-{k}"));
+            std::fs::create_dir_all(&d).map_err(|e| Error::io("cannot create", &d, e))?;
+            o.store.location = StoreLocation::Directory(d);
+        }
+        Ok(Tiers::open(&geo.cfg, PAGE_TOKENS, o, clock.clone())?)
+    };
+    let tiers = open_node(0)?;
     let cache_tokens = (opts.cache_bytes as f64 / geo.bytes_per_token) as u64;
     if cache_tokens < u64::from(PAGE_TOKENS) {
         return Err(Error::InvalidOption {
@@ -843,18 +1070,37 @@ fn replay_in(
         });
     }
     let context_limit = max_prompt.next_multiple_of(u64::from(PAGE_TOKENS));
-    let cache = KvCache::new(
-        &geo.cfg,
-        &plan,
-        CacheOptions {
-            context_limit,
-            page_tokens: PAGE_TOKENS,
-            max_sequences: opts.max_sequences.max(1),
-            pool_tokens: Some(cache_tokens),
-            prefix_index: true,
-            memory: opts.memory,
-        },
-    )?;
+    let cache_opts = CacheOptions {
+        context_limit,
+        page_tokens: PAGE_TOKENS,
+        max_sequences: opts.max_sequences.max(1),
+        pool_tokens: Some(cache_tokens),
+        prefix_index: true,
+        memory: opts.memory,
+    };
+    let cache = KvCache::new(&geo.cfg, &plan, cache_opts)?;
+    let mut parked = vec![None];
+    for k in 1..nodes {
+        parked.push(Some(Node {
+            tiers: open_node(k)?,
+            cache: KvCache::new(&geo.cfg, &plan, cache_opts)?,
+            live: LiveSet::default(),
+            tickets: Vec::new(),
+            dirty: false,
+            dirty_since: None,
+        }));
+    }
+    let shared_pool = if shared && opts.redis_cluster.is_empty() {
+        Some(WindowPool::new(
+            PoolOptions {
+                slot_bytes: snapshot_bytes(&g),
+                ..tier_opts.pool
+            },
+            clock.clone(),
+        )?)
+    } else {
+        None
+    };
     let synth = SyntheticKv::new(&g)?;
     let sessions = if opts.sessions {
         Sessions::infer(trace)
@@ -916,21 +1162,51 @@ fn replay_in(
         peaks: (0, 0, 0),
         start,
         geo,
+        parked,
+        cur: 0,
+        shared_pool,
+        cluster: ClusterCounts {
+            requests_per_node: vec![0; nodes],
+            ..ClusterCounts::default()
+        },
     };
     r.clock.set(EPOCH_MS + first);
     r.run(progress)?;
     let seconds = start.elapsed().as_secs_f64();
-    let st = r.tiers.store().stats();
-    let pool = r.tiers.pool().stats();
+    r.switch(0);
+    // Counts and volumes are the nodes' sums (capacities are each node's).
+    let mut st = r.tiers.store().stats();
+    let mut pool = r.tiers.pool().stats();
     let now = EPOCH_MS + r.now_ms;
-    let past_retention = r
-        .tiers
-        .store()
-        .units()
-        .iter()
-        .filter(|(_, _, last)| last.saturating_add(opts.retention_ms) <= now)
-        .count() as u64;
-    let cache_evictions = r.cache.prefix_evictions();
+    let mut past_retention = 0u64;
+    let mut cache_evictions = 0u64;
+    for (i, (tiers, kv)) in r.all_nodes().into_iter().enumerate() {
+        past_retention += tiers
+            .store()
+            .units()
+            .iter()
+            .filter(|(_, _, last)| last.saturating_add(opts.retention_ms) <= now)
+            .count() as u64;
+        cache_evictions += kv.prefix_evictions();
+        if i == 0 {
+            continue;
+        }
+        let (s, p) = (tiers.store().stats(), tiers.pool().stats());
+        st.bytes_written += s.bytes_written;
+        st.units_evicted += s.units_evicted;
+        st.segments_compacted += s.segments_compacted;
+        st.refused_queue += s.refused_queue;
+        st.live_bytes += s.live_bytes;
+        pool.bytes_got += p.bytes_got;
+        pool.bytes_put += p.bytes_put;
+        pool.puts += p.puts;
+        pool.hits += p.hits;
+        pool.misses += p.misses;
+        pool.evicted += p.evicted;
+        pool.expired += p.expired;
+        pool.put_nanos += p.put_nanos;
+        pool.get_nanos += p.get_nanos;
+    }
     let peak_rss = kvstack_driver::probe::rss()
         .map(|x| x.peak_bytes)
         .unwrap_or(0);
@@ -1020,6 +1296,79 @@ fn replay_in(
         );
     }
     let kv_written = r.kv_bytes_written;
+    let cluster = (nodes > 1).then(|| {
+        let c = &r.cluster;
+        let level = shared.then(|| {
+            if opts.redis_cluster.is_empty() {
+                "in-process model".to_owned()
+            } else {
+                "redis-cluster".to_owned()
+            }
+        });
+        let mut notes = vec![
+            "each node has its own SSD store, DRAM window pool and paged cache of the sizes \
+             given; ssd, dram_pool and dram_cache counts are the nodes' sums"
+                .to_owned(),
+        ];
+        if shared {
+            notes.push(
+                "a peer's unit is found by asking every other node's store for the prompt's \
+                 longest unit (what the shared prefix index answers), read there with every \
+                 CRC, written and made durable here, then restored from here (peer tokens); \
+                 no network in between"
+                    .into(),
+            );
+            let (puts, hits) = match r.tiers.remote() {
+                Some(redis) => {
+                    let mut st = redis.stats();
+                    for n in r.parked.iter().flatten() {
+                        if let Some(x) = n.tiers.remote() {
+                            st.puts += x.stats().puts;
+                            st.hits += x.stats().hits;
+                        }
+                    }
+                    (st.puts, st.hits)
+                }
+                None => (c.shared_puts, c.shared_hits),
+            };
+            if opts.redis_cluster.is_empty() {
+                notes.push(format!(
+                    "shared window level: in-process model (a window pool shared by the nodes, \
+                     {} B, the TTL on trace time), not Redis",
+                    opts.dram_pool_bytes
+                ));
+            } else {
+                notes.push(
+                    "shared window level: Redis Cluster; its TTL (PX) runs on wall time, not \
+                     trace time"
+                        .into(),
+                );
+            }
+            return ClusterReport {
+                nodes: nodes as u64,
+                routing: "round-robin by arrival (request i to node i mod nodes)".into(),
+                requests_per_node: c.requests_per_node.clone(),
+                shared_tiers: true,
+                shared_window_level: level,
+                peer_fetches: c.peer_fetches,
+                peer_fetch_failures: c.peer_fetch_failures,
+                peer_bytes: scale(c.peer_bytes, ssd_scale),
+                windows_from_shared_level: c.windows_shared,
+                shared_level_puts: puts,
+                shared_level_hits: hits,
+                notes,
+            };
+        }
+        ClusterReport {
+            nodes: nodes as u64,
+            routing: "round-robin by arrival (request i to node i mod nodes)".into(),
+            requests_per_node: c.requests_per_node.clone(),
+            shared_tiers: false,
+            shared_window_level: None,
+            notes,
+            ..ClusterReport::default()
+        }
+    });
     let report = ReplayReport {
         trace: opts.trace_name.clone(),
         model: opts.model.name.clone(),
@@ -1116,10 +1465,20 @@ fn replay_in(
         measured,
         modelled,
         notes,
+        cluster,
         samples: std::mem::take(&mut r.lat),
     };
-    let Replay { tiers, cache, .. } = r;
+    let Replay {
+        tiers,
+        cache,
+        parked,
+        ..
+    } = r;
     drop(cache);
     tiers.close()?;
+    for n in parked.into_iter().flatten() {
+        drop(n.cache);
+        n.tiers.close()?;
+    }
     Ok(report)
 }

@@ -2,7 +2,15 @@
 
 use serde::Serialize;
 
-/// Input tokens by where their KV came from. The six parts add up to the input tokens.
+fn is_zero(x: &u64) -> bool {
+    *x == 0
+}
+
+fn is_zero_f(x: &f64) -> bool {
+    *x == 0.0
+}
+
+/// Input tokens by where their KV came from. The parts add up to the input tokens.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct TokensBySource {
     /// The session's live sequence in the paged cache (the previous turn still resident).
@@ -14,6 +22,11 @@ pub struct TokensBySource {
     pub dram_pool: u64,
     /// Global KV read from the SSD store.
     pub ssd: u64,
+    /// Global KV fetched from another node's SSD store (runs of several nodes with shared
+    /// tiers), then read from this node's store; serialized only when not zero, so one
+    /// node's report is unchanged.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub peer: u64,
     /// The last window's tokens of a tier hit without a window snapshot: their global KV came
     /// from a tier, their window KV is recomputed (bounded replay). Not a miss.
     pub replayed: u64,
@@ -24,7 +37,13 @@ pub struct TokensBySource {
 impl TokensBySource {
     /// Sum of all parts.
     pub fn total(&self) -> u64 {
-        self.live + self.dram_cache + self.dram_pool + self.ssd + self.replayed + self.computed
+        self.live
+            + self.dram_cache
+            + self.dram_pool
+            + self.ssd
+            + self.peer
+            + self.replayed
+            + self.computed
     }
 
     /// Tokens whose global KV came from a cache or tier.
@@ -37,6 +56,7 @@ impl TokensBySource {
         self.dram_cache += o.dram_cache;
         self.dram_pool += o.dram_pool;
         self.ssd += o.ssd;
+        self.peer += o.peer;
         self.replayed += o.replayed;
         self.computed += o.computed;
     }
@@ -49,6 +69,7 @@ impl TokensBySource {
             dram_cache: self.dram_cache as f64 / t,
             dram_pool: self.dram_pool as f64 / t,
             ssd: self.ssd as f64 / t,
+            peer: self.peer as f64 / t,
             replayed: self.replayed as f64 / t,
             computed: self.computed as f64 / t,
         }
@@ -66,6 +87,9 @@ pub struct SourceShares {
     pub dram_pool: f64,
     /// See [`TokensBySource::ssd`].
     pub ssd: f64,
+    /// See [`TokensBySource::peer`] (serialized only when not zero).
+    #[serde(skip_serializing_if = "is_zero_f")]
+    pub peer: f64,
     /// See [`TokensBySource::replayed`].
     pub replayed: f64,
     /// See [`TokensBySource::computed`].
@@ -350,9 +374,44 @@ pub struct ReplayReport {
     pub modelled: Vec<String>,
     /// Remarks.
     pub notes: Vec<String>,
+    /// Runs of several nodes (`--nodes` > 1): the routing and the shared tiers; absent for
+    /// one node.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cluster: Option<ClusterReport>,
     /// Latency samples for plots.
     #[serde(skip)]
     pub samples: Samples,
+}
+
+/// A replay over several in-process nodes (`docs/profile.md`, "Several nodes").
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct ClusterReport {
+    /// Nodes, each with its own SSD store, DRAM window pool and paged cache.
+    pub nodes: u64,
+    /// How requests were routed to nodes (in words).
+    pub routing: String,
+    /// Requests each node served.
+    pub requests_per_node: Vec<u64>,
+    /// Whether a node looked for units on the other nodes and windows in a shared level.
+    pub shared_tiers: bool,
+    /// The shared window level: `"in-process model"`, `"redis-cluster"`, or `null` without
+    /// shared tiers.
+    pub shared_window_level: Option<String>,
+    /// Units fetched from another node's store and made durable in the asker's.
+    pub peer_fetches: u64,
+    /// Fetches that did not complete (the holder's unit gone, the asker's store refusing it).
+    pub peer_fetch_failures: u64,
+    /// KV payload bytes copied between nodes by the fetches.
+    pub peer_bytes: u64,
+    /// Tier hits whose window came from the shared level (their tokens count in
+    /// `tokens_by_source.dram_pool`).
+    pub windows_from_shared_level: u64,
+    /// Snapshots put into the shared level.
+    pub shared_level_puts: u64,
+    /// Gets that found a snapshot in the shared level.
+    pub shared_level_hits: u64,
+    /// Remarks on what is modelled.
+    pub notes: Vec<String>,
 }
 
 fn gb(b: u64) -> String {
@@ -418,9 +477,13 @@ impl std::fmt::Display for ReplayReport {
             ("dram_cache", s.dram_cache, h.dram_cache),
             ("dram_pool", s.dram_pool, h.dram_pool),
             ("ssd", s.ssd, h.ssd),
+            ("peer", s.peer, h.peer),
             ("replayed", s.replayed, h.replayed),
             ("computed", s.computed, h.computed),
         ] {
+            if name == "peer" && self.cluster.is_none() {
+                continue;
+            }
             writeln!(f, "  {name:<12} {n:>14} {:>8}", pct(x))?;
         }
         writeln!(
@@ -428,6 +491,35 @@ impl std::fmt::Display for ReplayReport {
             "  windows: {} from the pool, {} replayed",
             self.windows_from_pool, self.window_replays
         )?;
+        if let Some(c) = &self.cluster {
+            writeln!(
+                f,
+                "  cluster: {} nodes ({}), requests {:?}; shared tiers: {}",
+                c.nodes,
+                c.routing,
+                c.requests_per_node,
+                match &c.shared_window_level {
+                    Some(l) if c.shared_tiers => format!("on, shared window level: {l}"),
+                    _ => "off".to_owned(),
+                }
+            )?;
+            if c.shared_tiers {
+                writeln!(
+                    f,
+                    "  peer fetches {} ({} failed, {}), windows from the shared level {} \
+                     ({} puts, {} hits)",
+                    c.peer_fetches,
+                    c.peer_fetch_failures,
+                    gb(c.peer_bytes),
+                    c.windows_from_shared_level,
+                    c.shared_level_puts,
+                    c.shared_level_hits
+                )?;
+            }
+            for n in &c.notes {
+                writeln!(f, "  cluster note: {n}")?;
+            }
+        }
         let d = &self.ssd;
         writeln!(
             f,
