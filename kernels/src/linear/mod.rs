@@ -133,8 +133,9 @@ fn fp8_table() -> &'static [f32; 256] {
 }
 
 /// The f32 value of every FP4 code.
-fn fp4_table() -> [f32; 16] {
-    std::array::from_fn(|c| e2m1_to_f32(c as u8))
+fn fp4_table() -> &'static [f32; 16] {
+    static T: std::sync::OnceLock<[f32; 16]> = std::sync::OnceLock::new();
+    T.get_or_init(|| std::array::from_fn(|c| e2m1_to_f32(c as u8)))
 }
 
 /// Block shape `(br, bc)` of a `[rows, cols]` matrix with a `[srows, scols]` scale grid.
