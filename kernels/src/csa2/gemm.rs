@@ -336,7 +336,7 @@ pub fn linear_threads(
 }
 
 /// Runs `f`, turning a panic into an error (a worker's panic must not cross the pool).
-fn guarded(f: impl FnOnce() -> Result<(), Error>) -> Result<(), Error> {
+pub(crate) fn guarded(f: impl FnOnce() -> Result<(), Error>) -> Result<(), Error> {
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or(Err(Error::Internal {
         what: "a linear worker thread panicked",
     }))

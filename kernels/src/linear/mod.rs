@@ -46,6 +46,7 @@ mod tests;
 use kvstack_firmware_interface::element::{e2m1_to_f32, e4m3_to_f32};
 
 use crate::csa2::check_len;
+use crate::csa2::gemm::guarded;
 use crate::level::Verified;
 use crate::{Error, SimdLevel};
 
@@ -55,8 +56,9 @@ pub const PANEL: usize = 16;
 /// The summation block along `k` (matrixmultiply's `kc` for f32).
 pub const KC: usize = 256;
 
-/// Multiply-adds below which one more thread does not pay for waking it.
-pub const MIN_MACS_PER_THREAD: usize = 1 << 17;
+/// Multiply-adds below which one more thread does not pay for waking it (the same threshold
+/// as the f32 GEMM's).
+pub use crate::csa2::gemm::MIN_MACS_PER_THREAD;
 
 /// Multiply-adds and weight bytes of every [`PackedLinear`] product since the process started
 /// (relaxed counters, one update per call): what `kvstack bench runtime` holds a step's time
@@ -422,20 +424,7 @@ impl PackedLinear {
     /// [`Error::LengthMismatch`] when `x` or `out` is not `m` rows.
     pub fn forward_ref(&self, x: &[f32], m: usize, out: &mut [f32]) -> Result<(), Error> {
         self.check_io(x, m, out)?;
-        for i in 0..m {
-            let xi = &x[i * self.k..(i + 1) * self.k];
-            for j in 0..self.n {
-                let mut sum = 0f32;
-                for kb in (0..self.k).step_by(KC) {
-                    let mut acc = 0f32;
-                    for (l, &xv) in xi.iter().enumerate().take((kb + KC).min(self.k)).skip(kb) {
-                        acc = xv.mul_add(self.weight(j, l), acc);
-                    }
-                    sum += acc;
-                }
-                out[i * self.n + j] = sum;
-            }
-        }
+        self.columns_scalar(x, m, 0..self.panels, out, self.n);
         Ok(())
     }
 
@@ -616,13 +605,6 @@ impl PackedLinear {
         }
         Ok(())
     }
-}
-
-/// Runs `f`, turning a panic into an error (a worker's panic must not cross the pool).
-fn guarded(f: impl FnOnce() -> Result<(), Error>) -> Result<(), Error> {
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or(Err(Error::Internal {
-        what: "a linear worker thread panicked",
-    }))
 }
 
 /// Whether the CPU converts halves (F16C), which the FP8 decode of the SIMD levels uses.
