@@ -8,7 +8,9 @@
 //! - Device (or one preallocated file): slot `k` is the byte range
 //!   `[k * segment_bytes, (k + 1) * segment_bytes)`. A slot is in use when its first page holds
 //!   a valid segment header of this store; freeing a slot zeroes that page. Records carry
-//!   their segment id, so bytes a slot held in an earlier life are never mistaken for new ones.
+//!   their segment id, so bytes a slot held in an earlier life are never mistaken for new ones
+//!   (a new store on slots starts its ids far from any earlier store's: see
+//!   `store::open::first_slot_segment`).
 //! - Namespace: the same slots as a device, as byte ranges of the namespace (from LBA 0, at
 //!   most `capacity_bytes` of it); the bytes of each slot are the records of the other
 //!   layouts, unchanged. Every I/O goes through the namespace's block engines (one controller

@@ -1426,3 +1426,77 @@ fn ssd_quotas_bound_a_tenant_by_its_own_oldest_units_and_survive_a_restart() {
     assert!(store.tenant_bytes(a.id()) < ua);
     store.check_index().unwrap();
 }
+
+/// A slot-based store whose every segment was freed (each slot's header page zeroed: what
+/// freeing does) still holds its records' bytes. A store started over on it gets a new store
+/// id, and its segment ids must never repeat the earlier life's, or the old records behind the
+/// new segments' tails would read back as new ones (deleted or evicted units resurrected).
+#[test]
+fn a_store_started_over_on_used_slots_serves_nothing_of_the_earlier_one() {
+    for device_file in [true, false] {
+        if !device_file && !on_namespace() {
+            continue;
+        }
+        let dir = TempDir::new("started-over");
+        let c = clock();
+        let t = Tenant::new("t");
+        let mut opts = small_opts(dir.path());
+        if device_file {
+            let path = dir.path().join("store.img");
+            let f = std::fs::File::create(&path).unwrap();
+            f.set_len(8 * opts.segment_bytes).unwrap();
+            opts.location = StoreLocation::Device(path);
+        }
+        let old: Vec<Vec<u32>> = (0..12).map(|u| unit_tokens(50, u, 0, 6 * P)).collect();
+        {
+            let store = open(opts.clone(), c.clone());
+            for u in &old {
+                put(&store, &t, u).unwrap().wait().unwrap();
+            }
+            store.close().unwrap();
+        }
+        // Every slot freed.
+        for slot in 0..8u64 {
+            let at = slot * opts.segment_bytes;
+            if device_file {
+                let StoreLocation::Device(path) = &opts.location else {
+                    unreachable!()
+                };
+                let f = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+                f.write_all_at(&[0u8; ALIGN], at).unwrap();
+            } else {
+                raw_write(dir.path(), at, &[0u8; ALIGN]);
+            }
+        }
+        let new = unit_tokens(51, 0, 0, 2 * P);
+        {
+            let store = open(opts.clone(), c.clone());
+            assert!(
+                old.iter()
+                    .all(|u| store.lookup(&model(), &t, u, P).tokens == 0),
+                "the freed store's units are visible"
+            );
+            put(&store, &t, &new).unwrap().wait().unwrap();
+            store.close().unwrap();
+        }
+        let report = fsck(&opts).unwrap();
+        assert!(
+            report.units_incomplete.is_empty() && report.units_complete == 1,
+            "device file {device_file}: records of the earlier life read as new: {report:?}"
+        );
+        let store = open(opts.clone(), c.clone());
+        let back: Vec<usize> = (0..old.len())
+            .filter(|&i| store.lookup(&model(), &t, &old[i], P).tokens > 0)
+            .collect();
+        assert!(
+            back.is_empty(),
+            "device file {device_file}: units of the earlier life came back: {back:?}"
+        );
+        assert_eq!(read_and_check(&store, &t, &new).0, new.len() as u64);
+        assert!(
+            store.recovery().damaged.is_empty(),
+            "{:?}",
+            store.recovery().damaged
+        );
+    }
+}

@@ -35,6 +35,24 @@ pub(super) fn new_store_id(clock: &dyn Clock) -> [u8; 16] {
     out
 }
 
+/// The first segment id of a new store on segment slots (a device, a preallocated file, a
+/// namespace), drawn from its random store id into `[2^40, 2^61)`.
+///
+/// Freeing a slot zeroes only its header page, and a store whose every segment was freed is
+/// started over with a new store id; the records of its earlier life stay behind in the slots
+/// and are told apart from new ones only by their segment id (records carry no store id,
+/// docs/ssd-format.md). Were ids to restart at 1, a new segment 1 in the slot of an old
+/// segment 1 would take the old records after its tail as its own: deleted or evicted units
+/// would come back. Two lives collide only if their id ranges overlap: a chance of about
+/// (segments written) / 2^61. Directories need none of this: a freed segment's file is gone.
+pub(super) fn first_slot_segment(store_id: &[u8; 16]) -> u64 {
+    const LOW: u64 = 1 << 40;
+    const HIGH: u64 = 1 << 61;
+    let mut b = [0u8; 8];
+    b.copy_from_slice(&store_id[..8]);
+    LOW + u64::from_le_bytes(b) % (HIGH - LOW)
+}
+
 /// Chooses the engine and builds a buffer pool for it: on a namespace, an engine on its
 /// controller; otherwise as the preference and the probes say.
 pub(super) fn engine_for(
@@ -193,11 +211,11 @@ impl SsdStore {
         };
         // The store's id: that of the oldest valid segment; segments of other stores are
         // reported and left alone.
-        let store_id = scans
+        let oldest = scans
             .iter()
             .filter_map(|s| s.header)
-            .min_by_key(|h| h.segment)
-            .map_or_else(|| new_store_id(clock.as_ref()), |h| h.store_id);
+            .min_by_key(|h| h.segment);
+        let store_id = oldest.map_or_else(|| new_store_id(clock.as_ref()), |h| h.store_id);
         let mut max_seq = 0u64;
         let mut max_seg = 0u64;
         let mut segments: BTreeMap<u64, SegMeta> = BTreeMap::new();
@@ -488,6 +506,10 @@ impl SsdStore {
         });
         if let Some(reason) = &exhausted {
             log::error!("store {}: {reason}", opts.location.path().display());
+        }
+        if oldest.is_none() && !matches!(opts.location, StoreLocation::Directory(_)) {
+            // A new store on segment slots: its ids start where no earlier life's did.
+            max_seg = first_slot_segment(&store_id) - 1;
         }
         let namespace = space.namespace();
         let state = State {
