@@ -233,6 +233,12 @@ impl PinnedRegion {
     pub fn into_device_shared(self) -> DeviceSharedRegion {
         DeviceSharedRegion { inner: self }
     }
+
+    /// Hands the region to an owner that lends parts of it to devices one at a time (a
+    /// [`crate::blockio::BufferPool`]): see [`LentRegion`].
+    pub fn into_lent(self) -> LentRegion {
+        LentRegion { inner: self }
+    }
 }
 
 impl Drop for PinnedRegion {
@@ -294,6 +300,58 @@ impl DeviceSharedRegion {
     }
 }
 
+/// A pinned region whose parts an owner lends to the CPU and to devices **in turn**: a
+/// [`crate::blockio::BufferPool`] hands each slot to one [`crate::blockio::IoBuf`], which the
+/// CPU reads and writes as a slice while the caller holds it, and which a device reads or
+/// writes only while an operation naming that slot is in flight (the engine then owns the
+/// `IoBuf`, so no slice of the slot exists). The region as a whole can thus be mapped for a
+/// device (an IOMMU mapping of an NVMe controller, `crate::nvme::Dma::map_lent`) while it
+/// is in use, but it offers no view of its bytes of its own: the owner's handles are the only
+/// way the CPU reaches them, and a device model reaches them only through
+/// [`LentRegion::device_view`], whose contract is the same rule.
+#[derive(Debug)]
+pub struct LentRegion {
+    inner: PinnedRegion,
+}
+
+impl LentRegion {
+    /// Start address and length, for mapping the region for a device (VFIO DMA maps). The
+    /// address stays valid until drop.
+    pub fn raw_parts(&self) -> (NonNull<u8>, usize) {
+        (self.inner.map.ptr, self.inner.map.len)
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.inner.len()
+    }
+
+    /// Always false: zero-sized regions are refused.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Whether `mlock` succeeded.
+    pub fn is_locked(&self) -> bool {
+        self.inner.is_locked()
+    }
+
+    /// The device's view of the bytes: what an emulated device (the fake NVMe controller)
+    /// uses to move data in and out of the region, as hardware would by DMA.
+    ///
+    /// # Safety
+    /// For as long as the view is used, the bytes it reads or writes must be covered by no
+    /// Rust reference: only those of parts lent to an operation in flight (whose handle the
+    /// engine holds), exactly the bytes a real device may touch.
+    pub unsafe fn device_view(&self) -> VolatileView<'_> {
+        VolatileView {
+            ptr: self.inner.map.ptr,
+            len: self.inner.map.len,
+            _life: PhantomData,
+        }
+    }
+}
+
 /// A bounds-checked window onto memory a device may change concurrently. Reads and writes are
 /// volatile copies (aligned machine words, single bytes at unaligned ends); no Rust reference
 /// to the bytes ever exists.
@@ -301,10 +359,19 @@ impl DeviceSharedRegion {
 pub struct VolatileView<'a> {
     ptr: NonNull<u8>,
     len: usize,
-    _life: PhantomData<&'a DeviceSharedRegion>,
+    _life: PhantomData<&'a [u8]>,
 }
 
 impl VolatileView<'_> {
+    /// A view of no bytes: every access of one byte or more is refused.
+    pub fn empty() -> VolatileView<'static> {
+        VolatileView {
+            ptr: NonNull::dangling(),
+            len: 0,
+            _life: PhantomData,
+        }
+    }
+
     /// Length in bytes.
     pub fn len(&self) -> usize {
         self.len

@@ -14,7 +14,7 @@ use super::{BlockEngine, BufferPool, IoOp, IoTarget, OpKind};
 pub(crate) const SPAN: u64 = 64 << 20;
 
 /// CPU seconds (user + system) of this process so far.
-fn cpu_seconds() -> f64 {
+pub(crate) fn cpu_seconds() -> f64 {
     getrusage(UsageWho::RUSAGE_SELF).map_or(0.0, |u| {
         let t = |tv: nix::sys::time::TimeVal| tv.tv_sec() as f64 + tv.tv_usec() as f64 * 1e-6;
         t(u.user_time()) + t(u.system_time())

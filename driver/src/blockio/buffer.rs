@@ -13,27 +13,67 @@
 //! [`crate::pinned`]'s contract requires of device-visible memory. An engine that cannot reap an
 //! operation (its ring failed) leaks the `IoBuf` deliberately (and with it the region) rather
 //! than let the slot be reused.
+//!
+//! # Zero copy on an NVMe controller
+//!
+//! The same contract lets a userspace NVMe controller reach the slots directly: the pool's
+//! region is a [`LentRegion`], which `NvmeNamespace::map_pool` maps whole into the
+//! controller's IOMMU domain, and the NVMe engine names a slot's pages (their IOVAs) in a
+//! command only while it owns that slot's `IoBuf`. The mapping is removed when the pool's
+//! memory is released (the last `BufferPool` clone and `IoBuf` dropped: no command can name a
+//! slot then), or earlier by the controller's own teardown; the region is freed only after
+//! both. A buffer whose command the controller could not stop is **quarantined**
+//! ([`IoBuf::is_empty`] becomes true, its bytes unreachable): dropping it never returns the
+//! slot to the pool and keeps the pool's memory alive for good, since the device may still
+//! write it.
 
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
-use crate::pinned::{PinnedOptions, PinnedRegion};
+use crate::pinned::{LentRegion, PinnedOptions, PinnedRegion};
+
+/// Pool identities, never reused (a mapping is found by its pool's id).
+static NEXT_POOL_ID: AtomicU64 = AtomicU64::new(1);
+
+/// What runs when a pool's memory is released (unmapping it from a device).
+pub(crate) type OnRelease = Box<dyn FnOnce() + Send>;
 
 /// The alignment of every slot (and the granularity direct I/O needs).
 pub const BUFFER_ALIGN: usize = 4096;
 
 pub(crate) struct PoolInner {
-    /// Keeps the memory mapped; never accessed through a reference after construction.
-    region: PinnedRegion,
+    /// Keeps the memory mapped; never accessed through a reference after construction. Shared
+    /// with the device mappings of the region, which keep it alive until unmapped.
+    region: Arc<LentRegion>,
     base: NonNull<u8>,
     slot_bytes: usize,
     slots: usize,
     free: Mutex<Vec<u16>>,
     available: Condvar,
+    id: u64,
+    /// Run on release, before the region's handle is dropped: device unmappings.
+    on_release: Mutex<Vec<OnRelease>>,
 }
 
-// SAFETY: the region is uniquely owned by the pool; slot bytes are only touched through the one
-// IoBuf that owns the slot (module docs), and the free list is behind a Mutex.
+impl Drop for PoolInner {
+    fn drop(&mut self) {
+        // Every IoBuf is gone (each holds this pool), so no operation names a slot: the
+        // device mappings can go.
+        let hooks = match self.on_release.get_mut() {
+            Ok(h) => std::mem::take(h),
+            Err(poisoned) => std::mem::take(poisoned.into_inner()),
+        };
+        for hook in hooks {
+            hook();
+        }
+    }
+}
+
+// SAFETY: the region's bytes are only touched through the one IoBuf that owns a slot, or by a
+// device for an operation in flight whose engine holds that IoBuf (module docs; device
+// mappings share the region's handle but never read it from the CPU); the free list and the
+// release hooks (Send closures) are behind Mutexes.
 unsafe impl Send for PoolInner {}
 // SAFETY: as for Send; &PoolInner gives access to the free list (locked) and immutable fields.
 unsafe impl Sync for PoolInner {}
@@ -72,6 +112,7 @@ impl std::fmt::Debug for BufferPool {
             .field("slots", &self.inner.slots)
             .field("slot_bytes", &self.inner.slot_bytes)
             .field("locked", &self.inner.region.is_locked())
+            .field("id", &self.inner.id)
             .finish()
     }
 }
@@ -96,21 +137,22 @@ impl BufferPool {
             .checked_next_multiple_of(BUFFER_ALIGN)
             .ok_or(crate::Error::RegionTooLarge { bytes: slot_bytes })?;
         let total = slots.checked_mul(slot_bytes).ok_or(too_large)?;
-        let mut region = PinnedRegion::new(total, opts)?;
-        let base = NonNull::new(region.as_mut_slice().as_mut_ptr())
-            .ok_or(crate::Error::ZeroSizedRegion)?;
+        let region = PinnedRegion::new(total, opts)?.into_lent();
+        let (base, _) = region.raw_parts();
         let free = (0..slots)
             .rev()
             .filter_map(|i| u16::try_from(i).ok())
             .collect();
         Ok(BufferPool {
             inner: Arc::new(PoolInner {
-                region,
+                region: Arc::new(region),
                 base,
                 slot_bytes,
                 slots,
                 free: Mutex::new(free),
                 available: Condvar::new(),
+                id: NEXT_POOL_ID.fetch_add(1, Ordering::Relaxed),
+                on_release: Mutex::new(Vec::new()),
             }),
         })
     }
@@ -168,6 +210,42 @@ impl BufferPool {
     pub(crate) fn inner(&self) -> &Arc<PoolInner> {
         &self.inner
     }
+
+    /// The pool's identity, unique in the process (what a device mapping of it is keyed by).
+    pub fn id(&self) -> u64 {
+        self.inner.id
+    }
+
+    /// The whole region, for mapping it for a device.
+    pub(crate) fn lent_region(&self) -> &Arc<LentRegion> {
+        &self.inner.region
+    }
+
+    /// Runs `f` with every buffer in the pool, none handed out meanwhile (the free list stays
+    /// locked): how a device mapping of the whole region is made while no slice of it exists.
+    /// `None`, without running `f`, while any buffer is handed out (the count is in the error
+    /// of the caller's choosing, from [`BufferPool::available`]).
+    pub(crate) fn with_all_home<T>(&self, f: impl FnOnce() -> T) -> Option<T> {
+        let free = match self.inner.free.lock() {
+            Ok(g) => g,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        if free.len() != self.inner.slots {
+            return None;
+        }
+        let out = f();
+        drop(free);
+        Some(out)
+    }
+
+    /// Runs `hook` when the pool's memory is released (the last clone and buffer dropped),
+    /// before the pool lets go of the region: how a device mapping is removed.
+    pub(crate) fn on_release(&self, hook: OnRelease) {
+        match self.inner.on_release.lock() {
+            Ok(mut h) => h.push(hook),
+            Err(poisoned) => poisoned.into_inner().push(hook),
+        }
+    }
 }
 
 /// The unique handle to one buffer of a [`BufferPool`]; returns the buffer to the pool on drop.
@@ -192,7 +270,7 @@ impl IoBuf {
         self.len
     }
 
-    /// Always false: pools refuse empty slots.
+    /// False, except for a quarantined buffer (module docs): pools refuse empty slots.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -224,10 +302,43 @@ impl IoBuf {
     pub(crate) fn belongs_to(&self, pool: &Arc<PoolInner>) -> bool {
         Arc::ptr_eq(&self.pool, pool)
     }
+
+    /// The id of the pool the buffer belongs to ([`BufferPool::id`]).
+    pub(crate) fn pool_id(&self) -> u64 {
+        self.pool.id
+    }
+
+    /// The buffer's byte offset in its pool's region.
+    pub(crate) fn region_offset(&self) -> usize {
+        usize::from(self.index) * self.pool.slot_bytes
+    }
+
+    /// Makes the buffer unusable for good: a device may still write its slot (a command the
+    /// controller could not stop). Its bytes become unreachable (length 0), and dropping it
+    /// neither returns the slot nor lets the pool's memory be freed (module docs).
+    pub(crate) fn quarantine(&mut self) {
+        self.len = 0;
+    }
+
+    /// Whether the engine quarantined the buffer (module docs): a device may still write its
+    /// slot, so it holds no bytes and never returns to the pool.
+    pub fn is_quarantined(&self) -> bool {
+        self.len == 0
+    }
 }
 
 impl Drop for IoBuf {
     fn drop(&mut self) {
+        if self.len == 0 {
+            log::warn!(
+                "buffer {} of pool {} dropped in quarantine: never reused, its pool's memory                  never freed",
+                self.index,
+                self.pool.id
+            );
+            // One reference that is never dropped: the region outlives any device access.
+            std::mem::forget(Arc::clone(&self.pool));
+            return;
+        }
         self.pool.release(self.index);
     }
 }

@@ -19,29 +19,43 @@
 //! `WouldBlock` only for its own depth. The controller sits behind a mutex taken for each
 //! submission and poll, never across a wait.
 //!
-//! # Buffers: a bounce region, not zero copy
+//! # Buffers: zero copy for a mapped pool, a bounce slot for anything else
 //!
-//! The device never sees an [`IoBuf`](super::IoBuf). Each engine maps one DMA region of
-//! `depth` slots of `max_bytes` each when it is built; a write copies the buffer into its slot
+//! A [`BufferPool`] can be mapped for the controller ([`NvmeShared::map_pool`]): its whole
+//! region goes into the controller's IOMMU domain at an IOVA the driver chooses
+//! ([`crate::nvme::Dma::map_lent`]). An operation whose [`IoBuf`](super::IoBuf) belongs to a
+//! mapped pool is **zero copy**: its command's PRPs name the slot's own pages (each 4 KiB
+//! page's IOVA inside the pool's mapping), and the device reads or writes the slot directly.
+//! The [`IoBuf`](super::IoBuf) is owned by the engine from `submit` until `wait` returns it,
+//! so no slice of the slot exists while the device may touch it (the pool's DMA contract,
+//! [`super::buffer`]); the queue's fences order the CPU's stores into the slot before the
+//! doorbell and the completion's phase tag before the CPU's loads.
+//!
+//! Any other buffer goes through a **bounce slot**: the engine maps a region of `depth` slots
+//! of `max_bytes` each the first time it needs one; a write copies the buffer into its slot
 //! before the doorbell, a read copies the slot into the buffer after the completion is reaped
-//! (volatile copies through [`crate::pinned::VolatileView`]). So the DMA contract holds
-//! trivially: the `IoBuf` stays owned by the engine until its completion (as with the file
-//! engines), but no memory a Rust slice can reach is ever device-visible. The cost is one
-//! memory copy per operation (measured in docs/nvme.md) and `depth × max_bytes` of pinned,
-//! mapped memory. Zero copy needs a [`super::BufferPool`] whose region is mapped through
-//! [`crate::nvme::Dma`] itself (a `Dma` method mapping caller-owned pinned memory); not done.
+//! (volatile copies through [`crate::pinned::VolatileView`]). [`CopyStats`] counts both kinds.
 //!
-//! A slot whose command the controller could not stop (the controller ignored CC.EN after a
-//! timeout; the driver then leaks the command's memory) is never handed out again: the device
-//! might still write it.
+//! A command the controller could not stop (it ignored CC.EN after a timeout; the driver then
+//! leaks the command's memory) leaves its memory unusable for good: a bounce slot is never
+//! handed out again (nor its region unmapped), and a pool buffer comes back **quarantined**
+//! (empty, never returned to its pool, the pool's memory never freed), since the device might
+//! still write it.
+//!
+//! A pool's mapping lives until the pool's memory is released (its last clone and buffer
+//! dropped, so no command can name it) or until the controller is closed (the last engine
+//! and [`NvmeShared`] handle dropped), whichever comes first; the mapping's own handle keeps
+//! the region's memory alive until it is unmapped.
 
 use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::{BlockEngine, Completion, EngineKind, IoOp, IoTarget, NamespaceTarget, OpKind};
-use super::{SubmitError, buffer::BUFFER_ALIGN};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::{BlockEngine, BufferPool, Completion, EngineKind, IoOp, IoTarget, NamespaceTarget};
+use super::{IoBuf, OpKind, SubmitError, buffer::BUFFER_ALIGN};
 use crate::Error;
 use crate::nvme::{
     Controller, ControllerStats, Dma, DmaRegion, DmaSlice, IoCompletion, IoKind, IoRequest,
@@ -73,6 +87,45 @@ pub trait NvmeNamespace: Send + Sync + std::fmt::Debug {
 
     /// The controller's counters.
     fn stats(&self) -> ControllerStats;
+
+    /// Maps `pool` for the controller, so that its buffers move zero copy (see
+    /// [`NvmeShared::map_pool`]).
+    ///
+    /// # Errors
+    /// As [`NvmeShared::map_pool`].
+    fn map_pool(&self, pool: &BufferPool) -> Result<(), Error>;
+
+    /// How the engines' operations moved their data, over every engine made so far.
+    fn copy_stats(&self) -> CopyStats;
+}
+
+/// How NVMe engine operations moved their data (module docs, "Buffers").
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct CopyStats {
+    /// Reads and writes whose buffer the controller reached directly (a mapped pool's).
+    pub zero_copy_ops: u64,
+    /// Reads and writes copied through a bounce slot.
+    pub bounced_ops: u64,
+    /// Bytes copied between buffers and bounce slots.
+    pub bounce_bytes: u64,
+}
+
+/// [`CopyStats`] shared by the engines of one controller.
+#[derive(Debug, Default)]
+struct CopyCounters {
+    zero_copy_ops: AtomicU64,
+    bounced_ops: AtomicU64,
+    bounce_bytes: AtomicU64,
+}
+
+impl CopyCounters {
+    fn get(&self) -> CopyStats {
+        CopyStats {
+            zero_copy_ops: self.zero_copy_ops.load(Ordering::Relaxed),
+            bounced_ops: self.bounced_ops.load(Ordering::Relaxed),
+            bounce_bytes: self.bounce_bytes.load(Ordering::Relaxed),
+        }
+    }
 }
 
 /// How to bring up a namespace: what a store location names, opened when the store opens and
@@ -100,12 +153,34 @@ struct Inner<R: Registers, D: Dma> {
     next_id: u32,
     /// Entries of each I/O queue promised to live engines.
     promised: Vec<usize>,
+    /// The mapping of each pool mapped for the controller, by pool id.
+    pools: HashMap<u64, DmaRegion>,
+}
+
+impl<R: Registers, D: Dma> Drop for Inner<R, D> {
+    fn drop(&mut self) {
+        // Pools that outlive the controller: stopped first (shut down), then unmapped. A
+        // controller that cannot be stopped keeps them mapped (the Dma's own clone keeps the
+        // memory alive), as it keeps its queues.
+        if self.pools.is_empty() {
+            return;
+        }
+        let stopped = self.ctrl.stop();
+        for (id, region) in self.pools.drain() {
+            if !stopped {
+                log::error!("NVMe: buffer pool {id} left mapped: the controller did not stop");
+            } else if let Err(e) = self.ctrl.free(region) {
+                log::error!("NVMe: buffer pool {id} not unmapped: {e}");
+            }
+        }
+    }
 }
 
 /// A brought-up controller shared by engines (module docs). Cloning shares it; the controller
 /// is shut down when the last clone and the last engine are dropped.
 pub struct NvmeShared<R: Registers, D: Dma> {
     inner: Arc<Mutex<Inner<R, D>>>,
+    copies: Arc<CopyCounters>,
     target: NamespaceTarget,
     max_transfer: usize,
     name: String,
@@ -115,6 +190,7 @@ impl<R: Registers, D: Dma> Clone for NvmeShared<R, D> {
     fn clone(&self) -> Self {
         NvmeShared {
             inner: Arc::clone(&self.inner),
+            copies: Arc::clone(&self.copies),
             target: self.target,
             max_transfer: self.max_transfer,
             name: self.name.clone(),
@@ -163,7 +239,9 @@ impl<R: Registers, D: Dma> NvmeShared<R, D> {
                 mail: HashMap::new(),
                 next_id: 0,
                 promised,
+                pools: HashMap::new(),
             })),
+            copies: Arc::default(),
             target,
             max_transfer,
             name,
@@ -172,11 +250,12 @@ impl<R: Registers, D: Dma> NvmeShared<R, D> {
 
     /// An engine with at most `depth` operations in flight (capped by its queue's capacity) of
     /// at most `max_bytes` each (rounded up to 4 KiB, capped by the controller's transfer
-    /// limit), on the I/O queue with the fewest entries promised to other engines. Maps its
-    /// bounce region (`depth × max_bytes`).
+    /// limit), on the I/O queue with the fewest entries promised to other engines. Its bounce
+    /// region (`depth × max_bytes`) is mapped when a buffer of no mapped pool first needs it.
     ///
     /// # Errors
-    /// [`Error::ZeroSizedRegion`] for `max_bytes` 0, and the DMA allocation's error.
+    /// [`Error::ZeroSizedRegion`] for `max_bytes` 0, [`Error::RegionTooLarge`] when the
+    /// bounce region's size overflows.
     pub fn engine(&self, depth: usize, max_bytes: usize) -> Result<NvmeEngine<R, D>, Error> {
         if max_bytes == 0 {
             return Err(Error::ZeroSizedRegion);
@@ -194,7 +273,6 @@ impl<R: Registers, D: Dma> NvmeShared<R, D> {
         let bytes = depth
             .checked_mul(max_bytes)
             .ok_or(Error::RegionTooLarge { bytes: usize::MAX })?;
-        let bounce = inner.ctrl.alloc(bytes)?;
         let id = inner.next_id;
         inner.next_id = inner.next_id.wrapping_add(1);
         if let Some(p) = inner.promised.get_mut(queue) {
@@ -203,18 +281,23 @@ impl<R: Registers, D: Dma> NvmeShared<R, D> {
         drop(inner);
         log::debug!(
             "NVMe block engine {id} on {} queue {queue}: depth {depth}, up to {max_bytes} bytes \
-             per operation through a {bytes}-byte bounce region",
+             per operation, zero copy for mapped pools, else through a {bytes}-byte bounce \
+             region",
             self.name
         );
         Ok(NvmeEngine {
             shared: Arc::clone(&self.inner),
+            shared_copies: Arc::clone(&self.copies),
+            copies: CopyStats::default(),
             id,
             queue,
             target: self.target,
             depth,
             max_bytes,
-            bounce: Some(bounce),
+            bounce: None,
+            lent: None,
             slots: (0..depth).map(|_| None).collect(),
+            bounced: vec![false; depth],
             free: (0..depth).rev().collect(),
             poisoned: 0,
             outstanding: 0,
@@ -231,6 +314,68 @@ impl<R: Registers, D: Dma> NvmeShared<R, D> {
     /// Runs `f` on the controller (statistics, identity), under its lock.
     pub fn with_controller<T>(&self, f: impl FnOnce(&Controller<R, D>) -> T) -> T {
         f(&lock(&self.inner).ctrl)
+    }
+
+    /// Maps `pool`'s region for the controller (once; mapping a pool again does nothing), so
+    /// that operations on its buffers move zero copy (module docs). The mapping is removed
+    /// when the pool's memory is released or the controller is closed, whichever comes first.
+    /// Every buffer must be in the pool: none may be in the caller's hands (as a slice) while
+    /// the region becomes device-visible.
+    ///
+    /// # Errors
+    /// [`Error::NvmeRequest`] while buffers are handed out; the mapping's error.
+    pub fn map_pool(&self, pool: &BufferPool) -> Result<(), Error>
+    where
+        R: 'static,
+        D: 'static,
+    {
+        let id = pool.id();
+        let mut inner = lock(&self.inner);
+        if inner.pools.contains_key(&id) {
+            return Ok(());
+        }
+        // The pool's free list stays locked while the region is mapped, so no buffer (and no
+        // slice of the region) can be taken meanwhile. Lock order: the controller, then the
+        // pool (nothing takes the controller while holding a pool's free list).
+        let Some(mapped) =
+            pool.with_all_home(|| inner.ctrl.map_lent(Arc::clone(pool.lent_region())))
+        else {
+            return Err(Error::NvmeRequest {
+                reason: format!(
+                    "buffer pool {id} has {} of its {} buffers handed out; map it before \
+                     taking any",
+                    pool.slots().saturating_sub(pool.available()),
+                    pool.slots()
+                ),
+            });
+        };
+        let region = mapped?;
+        log::debug!(
+            "NVMe {}: buffer pool {id} ({} buffers of {} bytes) mapped at IOVA {:#x}",
+            self.name,
+            pool.slots(),
+            pool.slot_bytes(),
+            region.iova()
+        );
+        inner.pools.insert(id, region);
+        drop(inner);
+        let weak = Arc::downgrade(&self.inner);
+        pool.on_release(Box::new(move || {
+            // The controller may be gone already (its teardown unmapped the pool).
+            let Some(shared) = weak.upgrade() else { return };
+            let mut inner = lock(&shared);
+            if let Some(region) = inner.pools.remove(&id)
+                && let Err(e) = inner.ctrl.free(region)
+            {
+                log::error!("NVMe: buffer pool {id} not unmapped: {e}");
+            }
+        }));
+        Ok(())
+    }
+
+    /// How the engines' operations moved their data, over every engine made so far.
+    pub fn copy_stats(&self) -> CopyStats {
+        self.copies.get()
     }
 }
 
@@ -257,22 +402,39 @@ impl<R: Registers + 'static, D: Dma + 'static> NvmeNamespace for NvmeShared<R, D
     fn stats(&self) -> ControllerStats {
         self.with_controller(Controller::stats)
     }
+
+    fn map_pool(&self, pool: &BufferPool) -> Result<(), Error> {
+        NvmeShared::map_pool(self, pool)
+    }
+
+    fn copy_stats(&self) -> CopyStats {
+        NvmeShared::copy_stats(self)
+    }
 }
 
 /// [`BlockEngine`] over a (shared) userspace NVMe controller (module docs).
 pub struct NvmeEngine<R: Registers, D: Dma> {
     shared: Arc<Mutex<Inner<R, D>>>,
+    /// The controller's copy counters, and this engine's own.
+    shared_copies: Arc<CopyCounters>,
+    copies: CopyStats,
     id: u32,
     queue: usize,
     target: NamespaceTarget,
     depth: usize,
     max_bytes: usize,
-    /// `depth` slots of `max_bytes`; slot `i` starts at `i * max_bytes`.
+    /// `depth` slots of `max_bytes`; slot `i` starts at `i * max_bytes`. Mapped when first
+    /// needed.
     bounce: Option<DmaRegion>,
-    /// The operation using each slot, until its completion is reaped.
+    /// The mapping of the pool last used zero copy (pool ids are never reused, so it stays
+    /// right for that pool's buffers).
+    lent: Option<(u64, DmaRegion)>,
+    /// The operation using each slot (its tag), until its completion is reaped.
     slots: Vec<Option<IoOp>>,
+    /// Whether each slot's operation uses the slot's bounce space.
+    bounced: Vec<bool>,
     free: Vec<usize>,
-    /// Slots the device may still write (their command was leaked by the driver).
+    /// Bounce slots the device may still write (their command was leaked by the driver).
     poisoned: usize,
     /// This engine's commands (operations and flushes) submitted and not yet reaped.
     outstanding: usize,
@@ -355,6 +517,64 @@ impl<R: Registers, D: Dma> NvmeEngine<R, D> {
     /// The I/O queue (0-based) this engine submits on.
     pub fn queue(&self) -> usize {
         self.queue
+    }
+
+    /// How this engine's operations moved their data.
+    pub fn copy_stats(&self) -> CopyStats {
+        self.copies
+    }
+
+    /// Counts one operation submitted, zero copy or through a bounce slot.
+    fn count_op(&mut self, zero_copy: bool) {
+        let (mine, shared) = if zero_copy {
+            (
+                &mut self.copies.zero_copy_ops,
+                &self.shared_copies.zero_copy_ops,
+            )
+        } else {
+            (
+                &mut self.copies.bounced_ops,
+                &self.shared_copies.bounced_ops,
+            )
+        };
+        *mine += 1;
+        shared.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts `bytes` copied between a buffer and a bounce slot.
+    fn count_copy(&mut self, bytes: usize) {
+        self.copies.bounce_bytes += bytes as u64;
+        self.shared_copies
+            .bounce_bytes
+            .fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+
+    /// The mapping of `buf`'s pool, if it is mapped for this controller.
+    fn lent_region(&mut self, buf: &IoBuf) -> Option<DmaRegion> {
+        let id = buf.pool_id();
+        if let Some((cached, region)) = &self.lent
+            && *cached == id
+        {
+            return Some(region.clone());
+        }
+        let region = lock(&self.shared).pools.get(&id).cloned()?;
+        self.lent = Some((id, region.clone()));
+        Some(region)
+    }
+
+    /// The bounce region, mapped on first use.
+    fn bounce_region(&mut self) -> Result<DmaRegion, Error> {
+        if let Some(r) = &self.bounce {
+            return Ok(r.clone());
+        }
+        let bytes = self.depth * self.max_bytes;
+        let region = lock(&self.shared).ctrl.alloc(bytes)?;
+        log::debug!(
+            "NVMe block engine {}: {bytes}-byte bounce region mapped",
+            self.id
+        );
+        self.bounce = Some(region.clone());
+        Ok(region)
     }
 
     fn tag(&self, slot: u64) -> u64 {
@@ -448,14 +668,22 @@ impl<R: Registers, D: Dma> NvmeEngine<R, D> {
                 log::error!("NVMe engine {}: a completion for idle slot {slot}", self.id);
                 continue;
             };
+            let bounced = self.bounced.get(slot).copied().unwrap_or(true);
             if c.buf.is_some() {
                 self.free.push(slot);
-            } else {
+            } else if bounced {
                 // The driver kept the command's memory for a device that may still write it.
                 self.poisoned += 1;
+            } else {
+                // The device may still write the pool buffer itself: it never comes back as
+                // usable memory (the slot index, a tag, is free again).
+                op.buf.quarantine();
+                self.free.push(slot);
             }
             let result = match c.result {
-                Ok(()) if op.kind == OpKind::Read => self.copy_out(slot, &mut op).map(|()| op.len),
+                Ok(()) if op.kind == OpKind::Read && bounced => {
+                    self.copy_out(slot, &mut op).map(|()| op.len)
+                }
                 Ok(()) => Ok(op.len),
                 Err(e) => Err(io_error(e)),
             };
@@ -465,7 +693,7 @@ impl<R: Registers, D: Dma> NvmeEngine<R, D> {
     }
 
     /// Copies a finished read from its bounce slot into the operation's buffer.
-    fn copy_out(&self, slot: usize, op: &mut IoOp) -> io::Result<()> {
+    fn copy_out(&mut self, slot: usize, op: &mut IoOp) -> io::Result<()> {
         let region = self
             .bounce
             .as_ref()
@@ -474,7 +702,9 @@ impl<R: Registers, D: Dma> NvmeEngine<R, D> {
         region
             .volatile()
             .read(slot * self.max_bytes, dst)
-            .map_err(io_error)
+            .map_err(io_error)?;
+        self.count_copy(op.len);
+        Ok(())
     }
 
     /// Polls the controller once: takes this engine's mail and new completions, posts the
@@ -584,38 +814,64 @@ impl<R: Registers, D: Dma> BlockEngine for NvmeEngine<R, D> {
                 op: Box::new(op),
             });
         }
-        let (Some(slot), Some(region)) = (self.free.pop(), self.bounce.clone()) else {
+        let Some(slot) = self.free.pop() else {
             return Err(SubmitError {
                 error: busy(self.depth),
                 op: Box::new(op),
             });
         };
-        let offset = slot * self.max_bytes;
-        if op.kind == OpKind::Write {
-            let src = op.buf.as_slice().get(..op.len).unwrap_or_default();
-            if let Err(e) = region.volatile().write(offset, src) {
-                self.free.push(slot);
-                return Err(SubmitError {
-                    error: io_error(e),
-                    op: Box::new(op),
+        let data = match self.lent_region(&op.buf) {
+            // Zero copy: the slot's own pages, at their offset in the pool's mapping.
+            Some(region) => DmaSlice {
+                region,
+                offset: op.buf.region_offset(),
+                len: op.len,
+            },
+            None => {
+                let offset = slot * self.max_bytes;
+                let staged = self.bounce_region().and_then(|region| {
+                    if op.kind == OpKind::Write {
+                        let src = op.buf.as_slice().get(..op.len).unwrap_or_default();
+                        region.volatile().write(offset, src)?;
+                    }
+                    Ok(region)
                 });
+                match staged {
+                    Ok(region) => DmaSlice {
+                        region,
+                        offset,
+                        len: op.len,
+                    },
+                    Err(e) => {
+                        self.free.push(slot);
+                        return Err(SubmitError {
+                            error: io_error(e),
+                            op: Box::new(op),
+                        });
+                    }
+                }
             }
-        }
+        };
+        let zero_copy = data.region.is_lent();
         let req = IoRequest {
             kind: match op.kind {
                 OpKind::Read => IoKind::Read,
                 OpKind::Write => IoKind::Write,
             },
             lba,
-            buf: Some(DmaSlice {
-                region,
-                offset,
-                len: op.len,
-            }),
+            buf: Some(data),
             tag: self.tag(slot as u64),
         };
         match self.submit_request(req) {
             Ok(()) => {
+                self.count_op(zero_copy);
+                // A bounced read's copy is counted when it is made.
+                if !zero_copy && op.kind == OpKind::Write {
+                    self.count_copy(op.len);
+                }
+                if let Some(b) = self.bounced.get_mut(slot) {
+                    *b = !zero_copy;
+                }
                 if let Some(s) = self.slots.get_mut(slot) {
                     *s = Some(op);
                 }
@@ -669,12 +925,22 @@ impl<R: Registers, D: Dma> BlockEngine for NvmeEngine<R, D> {
 impl<R: Registers, D: Dma> Drop for NvmeEngine<R, D> {
     fn drop(&mut self) {
         // Wait for every command (the controller's deadlines bound it); the operations and
-        // their buffers are then dropped. Buffers were never device-visible, so even a failed
-        // wait frees nothing the device can reach; the bounce region is handled below.
+        // their buffers are then dropped. If the wait fails, the commands still in flight may
+        // yet be run by the device: their pool buffers are quarantined (never reused) and
+        // their bounce slots poisoned (the region is kept mapped, below).
         if self.outstanding > 0
             && let Err(e) = self.poll_until(|_| false)
         {
             log::error!("NVMe engine dropped while its controller failed: {e}");
+            for (op, bounced) in self.slots.iter_mut().zip(&self.bounced) {
+                if let Some(op) = op {
+                    if *bounced {
+                        self.poisoned += 1;
+                    } else {
+                        op.buf.quarantine();
+                    }
+                }
+            }
         }
         let left = self.in_flight();
         if left > 0 {
@@ -1141,8 +1407,348 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
+    /// A controller over `fake` shared by engines: one I/O queue of `entries` entries, 1 MiB
+    /// transfers, 1 s deadlines.
+    fn shared(fake: &Fake, entries: u16) -> NvmeShared<FakeBar, FakeDma> {
+        let opts = ControllerOptions {
+            io_queues: 1,
+            io_queue_entries: entries,
+            admin_queue_entries: 8,
+            command_timeout: Duration::from_millis(1000),
+            ..Default::default()
+        };
+        let ctrl = Controller::new(fake.bar(), fake.dma(), opts).unwrap();
+        NvmeShared::new(ctrl, "fake".into()).unwrap()
+    }
+
+    /// Bytes that differ from page to page and from one `seed` to another.
+    fn pattern(seed: u64, len: usize) -> Vec<u8> {
+        (0..len)
+            .map(|i| ((i as u64 / 8).wrapping_mul(0x9E37_79B9) ^ seed.wrapping_mul(31)) as u8)
+            .collect()
+    }
+
+    fn one(e: &mut dyn BlockEngine, o: IoOp) -> Completion {
+        e.submit(o).unwrap();
+        let mut c = reap_all(e);
+        assert_eq!(c.len(), 1);
+        c.pop().unwrap()
+    }
+
     #[test]
-    #[ignore = "measurement: cargo test -p kvstack-driver --lib nvme_engine_per_op_cost -- --ignored --nocapture"]
+    fn pool_buffers_round_trip_zero_copy_from_1_to_128_pages() {
+        let fake = Fake::new(1024, 64);
+        let ns = shared(&fake, 16);
+        let pool = BufferPool::new(2, 128 * PAGE, MEM).unwrap();
+        ns.map_pool(&pool).unwrap();
+        // Mapping twice is one mapping.
+        ns.map_pool(&pool).unwrap();
+        assert_eq!((fake.mapped_lent(), fake.state().lent_maps), (1, 1));
+        let mut e = ns.engine(2, 128 * PAGE).unwrap();
+        let mapped = fake.mapped();
+        let t = e.target();
+        let mut moved = 0u64;
+        for pages in 1..=128usize {
+            let len = pages * PAGE;
+            let at = ((pages * 37) % (1024 - 128) * PAGE) as u64;
+            let data = pattern(pages as u64, len);
+            let mut buf = pool.try_get().unwrap();
+            buf.as_mut_slice()[..len].copy_from_slice(&data);
+            let w = IoOp {
+                kind: OpKind::Write,
+                target: t.clone(),
+                offset: at,
+                len,
+                buf,
+                tag: 0,
+            };
+            let c = one(&mut e, w);
+            assert_eq!(c.result.as_ref().ok(), Some(&len), "write of {pages} pages");
+            assert!(
+                fake.state().disk[at as usize..at as usize + len] == data[..],
+                "{pages} pages on the device"
+            );
+            drop(c);
+            let mut buf = pool.try_get().unwrap();
+            buf.as_mut_slice().fill(0xEE);
+            let r = IoOp {
+                kind: OpKind::Read,
+                target: t.clone(),
+                offset: at,
+                len,
+                buf,
+                tag: 1,
+            };
+            let c = one(&mut e, r);
+            assert_eq!(c.result.as_ref().ok(), Some(&len), "read of {pages} pages");
+            assert!(c.op.buf.as_slice()[..len] == data[..], "{pages} pages read");
+            // Bytes past the transfer are untouched: the PRPs named exactly its pages.
+            assert!(c.op.buf.as_slice()[len..].iter().all(|&b| b == 0xEE));
+            moved += 2 * len as u64;
+        }
+        let copies = e.copy_stats();
+        assert_eq!(
+            copies,
+            CopyStats {
+                zero_copy_ops: 256,
+                bounced_ops: 0,
+                bounce_bytes: 0
+            }
+        );
+        assert_eq!(ns.copy_stats(), copies);
+        // The device moved every byte straight to or from the pool's pages, through PRP lists
+        // for more than two pages, and the engine never mapped a bounce region.
+        assert_eq!(fake.lent_bytes(), moved);
+        assert!(fake.state().max_list_pages >= 1);
+        assert_eq!(fake.mapped(), mapped);
+        assert_eq!(pool.available(), 2);
+    }
+
+    #[test]
+    fn pool_and_other_buffers_mix_and_only_the_others_bounce() {
+        let fake = Fake::new(1024, 64);
+        let ns = shared(&fake, 32);
+        let mapped_pool = BufferPool::new(8, 16 * PAGE, MEM).unwrap();
+        let other_pool = BufferPool::new(8, 16 * PAGE, MEM).unwrap();
+        ns.map_pool(&mapped_pool).unwrap();
+        let mut e = ns.engine(16, 16 * PAGE).unwrap();
+        let t = e.target();
+        let (mut zero_bytes, mut bounce_bytes) = (0u64, 0u64);
+        // Writes from both pools in flight together, then reads crosswise: what a pool buffer
+        // wrote is read into another pool's buffer and the other way round.
+        let sizes = [1usize, 3, 16, 2, 8, 5, 16, 4];
+        let mut written = Vec::new();
+        for (i, &pages) in sizes.iter().enumerate() {
+            let len = pages * PAGE;
+            let data = pattern(100 + i as u64, len);
+            let from = if i % 2 == 0 {
+                &mapped_pool
+            } else {
+                &other_pool
+            };
+            let mut buf = from.try_get().unwrap();
+            buf.as_mut_slice()[..len].copy_from_slice(&data);
+            e.submit(IoOp {
+                kind: OpKind::Write,
+                target: t.clone(),
+                offset: (i * 16 * PAGE) as u64,
+                len,
+                buf,
+                tag: i as u64,
+            })
+            .unwrap();
+            if i % 2 == 0 {
+                zero_bytes += len as u64;
+            } else {
+                bounce_bytes += len as u64;
+            }
+            written.push(data);
+        }
+        assert!(reap_all(&mut e).iter().all(|c| c.result.is_ok()));
+        for (i, &pages) in sizes.iter().enumerate() {
+            let len = pages * PAGE;
+            let into = if i % 2 == 0 {
+                &other_pool
+            } else {
+                &mapped_pool
+            };
+            let mut buf = into.try_get().unwrap();
+            buf.as_mut_slice().fill(0x5A);
+            e.submit(IoOp {
+                kind: OpKind::Read,
+                target: t.clone(),
+                offset: (i * 16 * PAGE) as u64,
+                len,
+                buf,
+                tag: i as u64,
+            })
+            .unwrap();
+            if i % 2 == 0 {
+                bounce_bytes += len as u64;
+            } else {
+                zero_bytes += len as u64;
+            }
+        }
+        for c in reap_all(&mut e) {
+            let i = c.op.tag as usize;
+            assert_eq!(c.result.as_ref().ok(), Some(&written[i].len()));
+            assert!(
+                c.op.buf.as_slice()[..written[i].len()] == written[i][..],
+                "op {i}"
+            );
+        }
+        let copies = e.copy_stats();
+        assert_eq!(copies.zero_copy_ops, 8);
+        assert_eq!(copies.bounced_ops, 8);
+        assert_eq!(copies.bounce_bytes, bounce_bytes);
+        assert_eq!(fake.lent_bytes(), zero_bytes);
+        assert_eq!((mapped_pool.available(), other_pool.available()), (8, 8));
+    }
+
+    #[test]
+    fn a_pool_mapped_for_another_controller_bounces_here() {
+        let (fa, fb) = (Fake::new(64, 64), Fake::new(64, 64));
+        let (a, b) = (shared(&fa, 8), shared(&fb, 8));
+        let pool = BufferPool::new(2, PAGE, MEM).unwrap();
+        a.map_pool(&pool).unwrap();
+        let mut eb = b.engine(2, PAGE).unwrap();
+        let mut ea = a.engine(2, PAGE).unwrap();
+        for e in [&mut eb, &mut ea] {
+            let o = op(e, &pool, OpKind::Write, 0, PAGE, 9);
+            let c = one(e, o);
+            assert!(c.result.is_ok());
+        }
+        assert_eq!(
+            (eb.copy_stats().bounced_ops, eb.copy_stats().zero_copy_ops),
+            (1, 0)
+        );
+        assert_eq!(
+            (ea.copy_stats().bounced_ops, ea.copy_stats().zero_copy_ops),
+            (0, 1)
+        );
+        assert_eq!((fa.lent_bytes(), fb.lent_bytes()), (PAGE as u64, 0));
+        assert!(fa.state().disk[..PAGE].iter().all(|&x| x == 9));
+        assert!(fb.state().disk[..PAGE].iter().all(|&x| x == 9));
+    }
+
+    #[test]
+    fn a_pool_is_mapped_only_with_every_buffer_home() {
+        let fake = Fake::new(64, 64);
+        let ns = shared(&fake, 8);
+        let pool = BufferPool::new(2, PAGE, MEM).unwrap();
+        let held = pool.try_get().unwrap();
+        let err = ns.map_pool(&pool).unwrap_err();
+        assert!(err.to_string().contains("1 of its 2 buffers"), "{err}");
+        assert_eq!(fake.mapped_lent(), 0);
+        drop(held);
+        ns.map_pool(&pool).unwrap();
+        assert_eq!(fake.mapped_lent(), 1);
+        // A lent region has no CPU view through the driver: its bytes are the IoBufs'.
+        let region = fake.lent_region().unwrap();
+        assert!(region.volatile().read(0, &mut [0u8; 1]).is_err());
+    }
+
+    /// A zero-copy command times out and the controller then ignores CC.EN: its pool buffer
+    /// comes back quarantined (empty, with the error), is never handed out again, and the
+    /// pool's memory stays mapped and alive; a bounced command beside it poisons its slot.
+    #[test]
+    fn a_command_the_controller_cannot_stop_quarantines_its_pool_buffer() {
+        let fake = Fake::new(64, 64);
+        let ns = shared(&fake, 8);
+        let pool = BufferPool::new(3, PAGE, MEM).unwrap();
+        ns.map_pool(&pool).unwrap();
+        let mut e = ns.engine(4, PAGE).unwrap();
+        fake.state().inject.push_back(Inject::Swallow);
+        let o = op(&e, &pool, OpKind::Read, 0, PAGE, 1);
+        let index = o.buf.index();
+        e.submit(o).unwrap();
+        fake.state().dead = true;
+        let mut out = Vec::new();
+        e.wait(1, &mut out).unwrap();
+        let c = out.pop().unwrap();
+        let err = c.result.as_ref().unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut, "{err}");
+        assert!(c.op.buf.is_quarantined() && c.op.buf.as_slice().is_empty());
+        drop(c);
+        // The slot never returns: two buffers left, and neither is the quarantined one.
+        assert_eq!(pool.available(), 2);
+        let rest: Vec<_> = std::iter::from_fn(|| pool.try_get()).collect();
+        assert!(rest.iter().all(|b| b.index() != index));
+        drop(rest);
+        drop(e);
+        drop(pool);
+        drop(ns);
+        // Neither the pool's mapping nor its memory was released under the device.
+        assert_eq!(fake.mapped_lent(), 1);
+    }
+
+    /// The same timeout on a controller that does stop: the buffer comes back usable (the
+    /// device can no longer reach it) and returns to its pool.
+    #[test]
+    fn a_timed_out_command_on_a_stopped_controller_returns_its_buffer() {
+        let fake = Fake::new(64, 64);
+        let ns = shared(&fake, 8);
+        let pool = BufferPool::new(2, PAGE, MEM).unwrap();
+        ns.map_pool(&pool).unwrap();
+        let mut e = ns.engine(2, PAGE).unwrap();
+        fake.state().inject.push_back(Inject::Swallow);
+        e.submit(op(&e, &pool, OpKind::Read, 0, PAGE, 1)).unwrap();
+        let mut out = Vec::new();
+        e.wait(1, &mut out).unwrap();
+        let c = out.pop().unwrap();
+        assert_eq!(
+            c.result.as_ref().unwrap_err().kind(),
+            io::ErrorKind::TimedOut
+        );
+        assert!(!c.op.buf.is_quarantined());
+        assert_eq!(c.op.buf.len(), PAGE);
+        drop(c);
+        assert_eq!(pool.available(), 2);
+        drop(e);
+        drop(pool);
+        assert_eq!(fake.mapped_lent(), 0);
+    }
+
+    #[test]
+    fn the_mapping_outlives_its_users_in_any_drop_order() {
+        // Engine, then pool, then controller: the pool is unmapped when it goes, while the
+        // controller still runs.
+        let fake = Fake::new(64, 64);
+        let ns = shared(&fake, 8);
+        let pool = BufferPool::new(2, PAGE, MEM).unwrap();
+        ns.map_pool(&pool).unwrap();
+        let mut e = ns.engine(2, PAGE).unwrap();
+        // A completion (and its buffer) kept past the engine keeps the pool alive.
+        let o = op(&e, &pool, OpKind::Write, 0, PAGE, 3);
+        let kept = one(&mut e, o);
+        drop(e);
+        drop(pool);
+        assert_eq!(fake.mapped_lent(), 1);
+        drop(kept);
+        assert_eq!(fake.mapped_lent(), 0);
+        assert_eq!(fake.state().shutdowns, 0);
+        drop(ns);
+        assert_eq!((fake.mapped(), fake.state().shutdowns), (0, 1));
+
+        // Pool first, while an engine lives: unmapped at once; the engine goes on with others.
+        let fake = Fake::new(64, 64);
+        let ns = shared(&fake, 8);
+        let pool = BufferPool::new(2, PAGE, MEM).unwrap();
+        ns.map_pool(&pool).unwrap();
+        let mut e = ns.engine(2, PAGE).unwrap();
+        let o = op(&e, &pool, OpKind::Write, 0, PAGE, 4);
+        assert!(one(&mut e, o).result.is_ok());
+        drop(pool);
+        assert_eq!(fake.mapped_lent(), 0);
+        let other = BufferPool::new(1, PAGE, MEM).unwrap();
+        ns.map_pool(&other).unwrap();
+        let o = op(&e, &other, OpKind::Read, 0, PAGE, 0);
+        let c = one(&mut e, o);
+        assert!(c.op.buf.as_slice().iter().all(|&x| x == 4));
+        assert_eq!(e.copy_stats().zero_copy_ops, 2);
+        drop(c);
+
+        // Controller (last engine and handle) before the pool: shut down, then unmapped; the
+        // pool is still good memory afterwards, and dropping it later does nothing more.
+        drop(e);
+        drop(ns);
+        assert_eq!(fake.state().shutdowns, 1);
+        assert_eq!(fake.mapped(), 0);
+        let mut b = other.try_get().unwrap();
+        b.as_mut_slice().fill(1);
+        drop(b);
+        drop(other);
+        assert_eq!(fake.mapped(), 0);
+    }
+
+    /// The engine's cost per operation on the fake, bounce against zero copy: the same reads
+    /// and writes through an unmapped pool and through a mapped one, on two engines of one
+    /// controller, in the order bounce, zero copy, zero copy, bounce for each workload (each
+    /// mode's figure is the mean of its two runs, so warm-up and drift weigh on both alike);
+    /// wall and CPU time per operation. The fake moves every byte itself (a `Vec` copy per
+    /// transfer), so both modes carry that; the difference is the bounce copy.
+    #[test]
+    #[ignore = "measurement: cargo test -p kvstack-driver --features fake-nvme --lib nvme_engine_per_op_cost -- --ignored --nocapture"]
     fn nvme_engine_per_op_cost() {
         let fake = Fake::new(4096, 1024);
         let opts = ControllerOptions {
@@ -1152,19 +1758,25 @@ mod tests {
             ..Default::default()
         };
         let ctrl = Controller::new(fake.bar(), fake.dma(), opts).unwrap();
-        let mut e = NvmeEngine::new(ctrl, 64, 128 << 10).unwrap();
-        let pool = BufferPool::new(64, 128 << 10, MEM).unwrap();
-        println!("| transfer | depth | operations | us per operation | MB/s |");
-        for (bytes, depth) in [(4096usize, 1usize), (4096, 16), (4096, 64), (128 << 10, 16)] {
-            let n = 20_000usize.min((256 << 20) / bytes);
+        let ns = NvmeShared::new(ctrl, "fake".into()).unwrap();
+        let unmapped = BufferPool::new(64, 128 << 10, MEM).unwrap();
+        let mapped = BufferPool::new(64, 128 << 10, MEM).unwrap();
+        ns.map_pool(&mapped).unwrap();
+        let mut bounce = ns.engine(64, 128 << 10).unwrap();
+        let mut zero = ns.engine(64, 128 << 10).unwrap();
+        // Returns (wall µs, CPU µs, bounce bytes) per operation.
+        let run = |e: &mut Engine, pool: &BufferPool, kind, bytes: usize, depth: usize| {
+            let n = 10_000usize.min((256 << 20) / bytes);
+            let before = e.copy_stats().bounce_bytes;
             let mut out = Vec::new();
+            let cpu = crate::blockio::bench::cpu_seconds();
             let start = std::time::Instant::now();
             let (mut sent, mut done) = (0usize, 0usize);
             while done < n {
                 while sent < n && e.in_flight() < depth {
                     let lba = ((sent * bytes / PAGE) % (4096 - bytes / PAGE)) as u64;
                     e.submit(IoOp {
-                        kind: OpKind::Read,
+                        kind,
                         target: e.target(),
                         offset: lba * PAGE as u64,
                         len: bytes,
@@ -1179,13 +1791,37 @@ mod tests {
                 // Buffers back to the pool before the next submissions.
                 out.clear();
             }
-            let t = start.elapsed().as_secs_f64();
+            let wall = start.elapsed().as_secs_f64() * 1e6 / n as f64;
+            let cpu = (crate::blockio::bench::cpu_seconds() - cpu) * 1e6 / n as f64;
+            (wall, cpu, (e.copy_stats().bounce_bytes - before) / n as u64)
+        };
+        println!(
+            "| op | transfer | depth | bounce: µs / CPU µs per op | zero copy: µs / CPU µs per op | CPU ratio | bounce bytes per op, bounce / zero copy |"
+        );
+        println!("|---|---|---|---|---|---|---|");
+        for (kind, bytes, depth) in [
+            (OpKind::Read, 4096usize, 1usize),
+            (OpKind::Read, 4096, 16),
+            (OpKind::Write, 4096, 16),
+            (OpKind::Read, 128 << 10, 16),
+            (OpKind::Write, 128 << 10, 16),
+        ] {
+            let b1 = run(&mut bounce, &unmapped, kind, bytes, depth);
+            let z1 = run(&mut zero, &mapped, kind, bytes, depth);
+            let z2 = run(&mut zero, &mapped, kind, bytes, depth);
+            let b2 = run(&mut bounce, &unmapped, kind, bytes, depth);
+            let (bw, bc) = ((b1.0 + b2.0) / 2.0, (b1.1 + b2.1) / 2.0);
+            let (zw, zc) = ((z1.0 + z2.0) / 2.0, (z1.1 + z2.1) / 2.0);
             println!(
-                "| {} KiB | {depth} | {n} | {:.2} | {:.0} |",
+                "| {} | {} KiB | {depth} | {bw:.2} / {bc:.2} | {zw:.2} / {zc:.2} | {:.2} | {} / {} |",
+                kind.name(),
                 bytes >> 10,
-                t * 1e6 / n as f64,
-                (n * bytes) as f64 / t / 1e6
+                zc / bc,
+                b1.2,
+                z1.2
             );
         }
+        assert_eq!(zero.copy_stats().bounced_ops, 0);
+        assert_eq!(bounce.copy_stats().zero_copy_ops, 0);
     }
 }

@@ -1,6 +1,7 @@
 //! The controller state machine: bring-up, admin commands, I/O submission and completion,
 //! timeouts, reset and shutdown (NVMe base specification 1.4 §7.3, §7.6).
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvstack_firmware_interface::nvme::{
@@ -14,6 +15,7 @@ use super::{
     ControllerOptions, Dma, DmaRegion, DmaSlice, IoCompletion, IoKind, IoRequest, Registers,
 };
 use crate::Error;
+use crate::pinned::LentRegion;
 
 /// Where the controller is in its life.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -56,6 +58,8 @@ pub struct Controller<R: Registers, D: Dma> {
     state: State,
     /// Whether the controller is known not to access memory (disabled or shut down).
     stopped: bool,
+    /// [`Controller::stop`] failed: the controller ignores CC.EN and CC.SHN.
+    unstoppable: bool,
     admin: Option<QueuePair>,
     io: Vec<QueuePair>,
     identify_page: Option<DmaRegion>,
@@ -128,6 +132,7 @@ impl<R: Registers, D: Dma> Controller<R, D> {
             version,
             state: State::Disabled,
             stopped: false,
+            unstoppable: false,
             admin: None,
             io: Vec::new(),
             identify_page: None,
@@ -212,7 +217,17 @@ impl<R: Registers, D: Dma> Controller<R, D> {
         self.dma.alloc(bytes)
     }
 
-    /// Unmaps a region from [`Controller::alloc`]; refused while a command in flight uses it.
+    /// Maps memory lent by its owner (a buffer pool's region) for the controller (see
+    /// [`Dma::map_lent`]); [`Controller::free`] unmaps it.
+    ///
+    /// # Errors
+    /// The [`Dma`] implementation's.
+    pub fn map_lent(&mut self, mem: Arc<LentRegion>) -> Result<DmaRegion, Error> {
+        self.dma.map_lent(mem)
+    }
+
+    /// Unmaps a region from [`Controller::alloc`] or [`Controller::map_lent`]; refused while a
+    /// command in flight uses it.
     ///
     /// # Errors
     /// [`Error::NvmeRequest`] when it is in use.
@@ -822,8 +837,14 @@ impl<R: Registers, D: Dma> Controller<R, D> {
     }
 }
 
-impl<R: Registers, D: Dma> Drop for Controller<R, D> {
-    fn drop(&mut self) {
+impl<R: Registers, D: Dma> Controller<R, D> {
+    /// Stops the controller's memory accesses for good, as its drop does: shuts it down, or
+    /// disables it if the shutdown fails. Returns whether it is known to be stopped (else it
+    /// ignored CC.EN, and memory it may reach must stay mapped).
+    pub fn stop(&mut self) -> bool {
+        if self.unstoppable {
+            return false;
+        }
         if !self.stopped
             && let Err(e) = self.shutdown()
         {
@@ -832,7 +853,15 @@ impl<R: Registers, D: Dma> Drop for Controller<R, D> {
                 log::error!("NVMe controller does not stop ({e}): its DMA memory is leaked");
             }
         }
-        if self.stopped {
+        // Asked once: a controller that ignored it is not waited for again (drop after stop).
+        self.unstoppable = !self.stopped;
+        self.stopped
+    }
+}
+
+impl<R: Registers, D: Dma> Drop for Controller<R, D> {
+    fn drop(&mut self) {
+        if self.stop() {
             self.release_queues();
         } else {
             // Never unmapped: the queues' memory stays mapped for a device that may write it.

@@ -8,7 +8,9 @@
 //! head doorbell), so tests are deterministic. It reads queues, PRP lists and data only through
 //! the IOVAs the driver gave it, as a device would, and models the failures a driver must
 //! survive: error statuses, completions with a wrong command id or SQ id, a command that never
-//! completes, and a controller that stops answering altogether.
+//! completes, and a controller that stops answering altogether. Lent regions (a buffer pool
+//! mapped with [`Dma::map_lent`]) are reached like the driver's own, and the bytes moved
+//! straight to or from them are counted ([`Fake::lent_bytes`]): how tests see zero copy.
 //!
 //! With an image file ([`Fake::with_image`]) the namespace outlives the process, as a real
 //! one does: written blocks go to a volatile write cache (Identify Controller reports VWC = 1)
@@ -36,7 +38,7 @@ use zerocopy::{FromBytes, FromZeros, IntoBytes};
 use super::{Controller, ControllerOptions, Dma, DmaRegion, Registers};
 use crate::Error;
 use crate::blockio::{NvmeNamespace, NvmeOpener, NvmeShared};
-use crate::pinned::{HugePages, Locking, PinnedOptions, PinnedRegion};
+use crate::pinned::{HugePages, LentRegion, Locking, PinnedOptions, PinnedRegion};
 
 /// Blocks the write cache of an image-backed fake holds before it destages them all.
 pub const WRITE_CACHE_BLOCKS: usize = 4096;
@@ -133,6 +135,10 @@ pub struct State {
     pub shutdowns: u64,
     /// A write to the image file failed: the error, kept for tests (the command failed).
     pub image_error: Option<String>,
+    /// Lent regions (buffer pools) mapped so far ([`Dma::map_lent`]).
+    pub lent_maps: u64,
+    /// Data bytes the device moved straight to or from lent regions (zero-copy transfers).
+    lent_bytes: std::cell::Cell<u64>,
 }
 
 /// The fake controller; [`Fake::bar`] and [`Fake::dma`] give the driver its two seams.
@@ -183,6 +189,8 @@ impl Fake {
             cq_wraps: BTreeMap::new(),
             shutdowns: 0,
             image_error: None,
+            lent_maps: 0,
+            lent_bytes: std::cell::Cell::new(0),
         })))
     }
 
@@ -255,6 +263,21 @@ impl Fake {
     /// Regions still mapped.
     pub fn mapped(&self) -> usize {
         self.state().mem.len()
+    }
+
+    /// Lent regions (buffer pools) still mapped.
+    pub fn mapped_lent(&self) -> usize {
+        self.state().mem.values().filter(|r| r.is_lent()).count()
+    }
+
+    /// The lent region mapped at the lowest IOVA, if any.
+    pub fn lent_region(&self) -> Option<DmaRegion> {
+        self.state().mem.values().find(|r| r.is_lent()).cloned()
+    }
+
+    /// Data bytes the device moved straight to or from lent regions (zero-copy transfers).
+    pub fn lent_bytes(&self) -> u64 {
+        self.state().lent_bytes.get()
     }
 }
 
@@ -419,6 +442,21 @@ impl Dma for FakeDma {
         // A guard page between regions, so an overrun faults instead of landing in the next.
         s.next_iova += (mem.len() + PAGE) as u64;
         let region = DmaRegion::new(mem, iova);
+        s.mem.insert(iova, region.clone());
+        Ok(region)
+    }
+
+    fn map_lent(&mut self, mem: Arc<LentRegion>) -> Result<DmaRegion, Error> {
+        let mut s = self.0.state();
+        s.allocs += 1;
+        if s.fail_alloc == Some(s.allocs - 1) {
+            return Err(Error::ZeroSizedRegion);
+        }
+        let iova = s.next_iova;
+        // A guard page between regions, as for `alloc`.
+        s.next_iova += (mem.len() + PAGE) as u64;
+        s.lent_maps += 1;
+        let region = DmaRegion::lent(mem, iova);
         s.mem.insert(iova, region.clone());
         Ok(region)
     }
@@ -632,14 +670,30 @@ impl State {
         (off.checked_add(len)? <= r.len()).then_some((r, off))
     }
 
+    fn count_lent(&self, r: &DmaRegion, bytes: usize) {
+        if r.is_lent() {
+            self.lent_bytes
+                .set(self.lent_bytes.get().saturating_add(bytes as u64));
+        }
+    }
+
     fn dma_read(&self, iova: u64, out: &mut [u8]) -> Result<(), Status> {
         let (r, off) = self.region(iova, out.len()).ok_or(DATA_TRANSFER)?;
-        r.volatile().read(off, out).map_err(|_| DATA_TRANSFER)
+        self.count_lent(r, out.len());
+        // SAFETY: the fake is the device: it reaches an IOVA only for the command it runs
+        // (its queue entries, PRP lists and data pages, all named by the driver), and the
+        // driver names a lent region's pages only while its engine owns their IoBuf, so no
+        // Rust reference covers them.
+        let view = unsafe { r.device_view() };
+        view.read(off, out).map_err(|_| DATA_TRANSFER)
     }
 
     fn dma_write(&self, iova: u64, data: &[u8]) -> Result<(), Status> {
         let (r, off) = self.region(iova, data.len()).ok_or(DATA_TRANSFER)?;
-        r.volatile().write(off, data).map_err(|_| DATA_TRANSFER)
+        self.count_lent(r, data.len());
+        // SAFETY: as in dma_read.
+        let view = unsafe { r.device_view() };
+        view.write(off, data).map_err(|_| DATA_TRANSFER)
     }
 
     /// Runs the commands of submission queue `qid` between head and tail while its

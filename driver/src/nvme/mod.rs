@@ -24,6 +24,13 @@
 //! leaked on purpose, so the memory is never unmapped under a device that may still write it.
 //! A [`Dma`] implementation keeps its own clone of every region it mapped until
 //! [`Dma::free`]; the driver frees a region only once no command can reach it.
+//!
+//! Regions are of two kinds: memory the [`Dma`] implementation allocated itself
+//! ([`Dma::alloc`]: queues, PRP lists, the block engine's bounce slots), which the CPU reaches
+//! through [`DmaRegion::volatile`], and memory lent by its owner ([`Dma::map_lent`]: a
+//! [`crate::blockio::BufferPool`]'s region, for zero-copy I/O), which the driver maps and
+//! names in commands but never reads or writes itself: the pool's `IoBuf`s are the CPU's only
+//! way to it (docs/nvme.md, "Buffers").
 
 mod controller;
 mod queue;
@@ -43,7 +50,7 @@ pub use controller::{Controller, ControllerStats};
 pub use kvstack_firmware_interface::nvme::{ControllerInfo, NamespaceInfo, Status, Version};
 
 use crate::Error;
-use crate::pinned::{DeviceSharedRegion, VolatileView};
+use crate::pinned::{DeviceSharedRegion, LentRegion, VolatileView};
 
 /// Access to a controller's BAR0. Offsets are bytes from the start of the BAR; an
 /// implementation refuses an access outside the BAR ([`Error::NvmeRegister`]) rather than
@@ -81,6 +88,13 @@ pub trait Dma: Send {
     /// # Errors
     /// The allocation or the mapping failed.
     fn alloc(&mut self, bytes: usize) -> Result<DmaRegion, Error>;
+    /// Maps memory lent by its owner (a buffer pool's whole region, page aligned) at an IOVA
+    /// the implementation chooses, as [`Dma::alloc`] maps its own: contiguous in IOVA space,
+    /// kept alive (a clone of the region) until [`Dma::free`] has unmapped it.
+    ///
+    /// # Errors
+    /// The mapping failed.
+    fn map_lent(&mut self, mem: Arc<LentRegion>) -> Result<DmaRegion, Error>;
     /// Unmaps a region from the device. The caller guarantees that no command can still reach
     /// it (module docs).
     fn free(&mut self, region: DmaRegion);
@@ -88,18 +102,52 @@ pub trait Dma: Send {
     fn is_mapped(&self, region: &DmaRegion) -> bool;
 }
 
+/// The memory behind a [`DmaRegion`].
+#[derive(Clone, Debug)]
+enum Memory {
+    /// Allocated by the [`Dma`] implementation; the CPU uses volatile copies.
+    Own(Arc<DeviceSharedRegion>),
+    /// Lent by its owner (a buffer pool); the CPU reaches it only through the owner.
+    Lent(Arc<LentRegion>),
+}
+
 /// A pinned region mapped for a device at an IOVA. Cloning shares the region (the memory
 /// stays mapped in this process while any clone is alive).
 #[derive(Clone, Debug)]
 pub struct DmaRegion {
-    mem: Arc<DeviceSharedRegion>,
+    mem: Memory,
     iova: u64,
 }
 
 impl DmaRegion {
-    /// Wraps a region that a [`Dma`] implementation has mapped at `iova`.
+    /// Wraps a region that a [`Dma`] implementation has allocated and mapped at `iova`.
     pub fn new(mem: Arc<DeviceSharedRegion>, iova: u64) -> DmaRegion {
-        DmaRegion { mem, iova }
+        DmaRegion {
+            mem: Memory::Own(mem),
+            iova,
+        }
+    }
+
+    /// Wraps lent memory that a [`Dma`] implementation has mapped at `iova`
+    /// ([`Dma::map_lent`]).
+    pub fn lent(mem: Arc<LentRegion>, iova: u64) -> DmaRegion {
+        DmaRegion {
+            mem: Memory::Lent(mem),
+            iova,
+        }
+    }
+
+    /// Whether the memory is lent (a buffer pool's) rather than the [`Dma`]'s own.
+    pub fn is_lent(&self) -> bool {
+        matches!(self.mem, Memory::Lent(_))
+    }
+
+    /// Start address and length in this process, for mapping the region (VFIO DMA maps).
+    pub fn raw_parts(&self) -> (std::ptr::NonNull<u8>, usize) {
+        match &self.mem {
+            Memory::Own(m) => m.raw_parts(),
+            Memory::Lent(m) => m.raw_parts(),
+        }
     }
 
     /// The device address of byte 0.
@@ -109,7 +157,10 @@ impl DmaRegion {
 
     /// Length in bytes.
     pub fn len(&self) -> usize {
-        self.mem.len()
+        match &self.mem {
+            Memory::Own(m) => m.len(),
+            Memory::Lent(m) => m.len(),
+        }
     }
 
     /// Always false: regions are never empty.
@@ -117,19 +168,38 @@ impl DmaRegion {
         false
     }
 
-    /// The CPU's view of the bytes (volatile copies only).
+    /// The CPU's view of the bytes (volatile copies only). A lent region has none here: its
+    /// bytes belong to its owner's handles (an `IoBuf` while the caller holds it), so the view
+    /// is empty and every access is refused ([`Error::OutOfBounds`]).
     pub fn volatile(&self) -> VolatileView<'_> {
-        self.mem.volatile()
+        match &self.mem {
+            Memory::Own(m) => m.volatile(),
+            Memory::Lent(_) => VolatileView::empty(),
+        }
     }
 
-    /// The shared memory (for a [`Dma`] implementation's own bookkeeping).
-    pub fn memory(&self) -> &Arc<DeviceSharedRegion> {
-        &self.mem
+    /// The device's view of the whole region, own or lent: what an emulated device (the fake
+    /// controller) moves data through, as hardware does by DMA.
+    ///
+    /// # Safety
+    /// As [`LentRegion::device_view`]: the bytes accessed must be those of a command in
+    /// flight (for lent memory, a part whose handle the engine holds).
+    pub unsafe fn device_view(&self) -> VolatileView<'_> {
+        match &self.mem {
+            Memory::Own(m) => m.volatile(),
+            // SAFETY: the caller's contract is LentRegion::device_view's.
+            Memory::Lent(m) => unsafe { m.device_view() },
+        }
     }
 
     /// Whether two handles name the same mapping.
     pub fn same(&self, other: &DmaRegion) -> bool {
-        Arc::ptr_eq(&self.mem, &other.mem) && self.iova == other.iova
+        let same_mem = match (&self.mem, &other.mem) {
+            (Memory::Own(a), Memory::Own(b)) => Arc::ptr_eq(a, b),
+            (Memory::Lent(a), Memory::Lent(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        };
+        same_mem && self.iova == other.iova
     }
 }
 

@@ -189,6 +189,8 @@ impl NsMedia {
                 },
             )
             .map_err(std::io::Error::other)?;
+            // Mapped for the controller: header pages move zero copy (docs/nvme.md).
+            self.ns.map_pool(&pool).map_err(std::io::Error::other)?;
             let engine = self
                 .ns
                 .engine(1, SEGMENT_HEADER_PAGE)

@@ -80,6 +80,16 @@ fn units_are_durable_shared_and_recovered() {
     for u in &units {
         assert_eq!(read_and_check(&store, &t, u).0, u.len() as u64);
     }
+    // On a namespace every engine's buffer pool is mapped for the controller: recovery, the
+    // writer and the readers moved their data zero copy, and nothing bounced.
+    let copies = store.stats().nvme_copies;
+    if on_namespace() {
+        let c = copies.unwrap();
+        assert!(c.zero_copy_ops > 0, "{c:?}");
+        assert_eq!((c.bounced_ops, c.bounce_bytes), (0, 0), "{c:?}");
+    } else {
+        assert!(copies.is_none());
+    }
     let report = fsck(&small_opts(dir.path())).unwrap();
     assert!(report.clean(), "{report:?}");
     assert_eq!(report.units_complete, units.len() as u64);

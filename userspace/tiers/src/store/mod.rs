@@ -145,6 +145,7 @@ impl SsdStore {
             refused_quota: get(&c.refused_quota),
             poisoned: st.poisoned.clone(),
             recovery: sh.recovery.clone(),
+            nvme_copies: sh.namespace.as_ref().map(|n| n.ns.copy_stats()),
         }
     }
 

@@ -54,7 +54,8 @@ pub(super) fn first_slot_segment(store_id: &[u8; 16]) -> u64 {
 }
 
 /// Chooses the engine and builds a buffer pool for it: on a namespace, an engine on its
-/// controller; otherwise as the preference and the probes say.
+/// controller, with the pool mapped for the controller so its buffers move zero copy
+/// (docs/nvme.md, "Buffers"); otherwise as the preference and the probes say.
 pub(super) fn engine_for(
     opts: &StoreOptions,
     namespace: Option<&NsMedia>,
@@ -64,13 +65,14 @@ pub(super) fn engine_for(
 ) -> Result<(Box<dyn BlockEngine>, BufferPool, EngineChoice)> {
     let pool = BufferPool::new(slots, slot_bytes, opts.memory).map_err(Error::Memory)?;
     if let Some(ns) = namespace {
-        let engine = ns
-            .ns
-            .engine(slots, slot_bytes)
-            .map_err(|source| Error::Nvme {
-                location: opts.location.path().display().to_string(),
-                source,
-            })?;
+        let nvme_error = |source| Error::Nvme {
+            location: opts.location.path().display().to_string(),
+            source,
+        };
+        // Mapped before any buffer is taken; unmapped when the pool is dropped (or the
+        // controller closed), so the engine may be dropped before or after the pool.
+        ns.ns.map_pool(&pool).map_err(nvme_error)?;
+        let engine = ns.ns.engine(slots, slot_bytes).map_err(nvme_error)?;
         let choice = EngineChoice {
             kind: engine.kind(),
             direct: engine.direct(),

@@ -1,6 +1,6 @@
 //! Store options, and the reports and counters the store gives back.
 
-use kvstack_driver::blockio::{EngineChoice, EnginePreference};
+use kvstack_driver::blockio::{CopyStats, EngineChoice, EnginePreference};
 use kvstack_driver::pinned::PinnedOptions;
 use kvstack_firmware_interface::record::{KEY_BYTES, Key, SEGMENT_HEADER_PAGE, record_len};
 use kvstack_firmware_interface::{GlobalFp4Entry, IndexMxfp4Entry};
@@ -297,6 +297,9 @@ pub struct StoreStats {
     pub poisoned: Option<String>,
     /// What the last open found.
     pub recovery: RecoveryReport,
+    /// On an NVMe namespace: how the controller's engines moved data (zero copy for the
+    /// store's buffer pools, which are mapped for the controller; bounced otherwise).
+    pub nvme_copies: Option<CopyStats>,
 }
 
 /// What [`SsdStore::reclaim`](super::SsdStore::reclaim) did.
