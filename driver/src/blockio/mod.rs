@@ -37,7 +37,9 @@ use serde::Serialize;
 
 pub use buffer::{BUFFER_ALIGN, BufferPool, IoBuf};
 pub use file::{OpenMode, file_size, open_file, preallocate, sync_dir};
-pub use nvme_engine::{CopyStats, NvmeEngine, NvmeNamespace, NvmeOpener, NvmeShared};
+pub use nvme_engine::{
+    CopyStats, NvmeEngine, NvmeNamespace, NvmeOpener, NvmeShared, WeakNvmeShared,
+};
 pub use sync::SyncEngine;
 pub use uring::UringEngine;
 

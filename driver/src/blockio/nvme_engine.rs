@@ -50,7 +50,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -208,6 +208,49 @@ impl<R: Registers, D: Dma> std::fmt::Debug for NvmeShared<R, D> {
     }
 }
 
+/// A reference to a shared controller that does not keep it up (see
+/// [`NvmeShared::downgrade`]): what a process-wide table of brought-up controllers holds, so
+/// the controller still shuts down when its last user goes.
+pub struct WeakNvmeShared<R: Registers, D: Dma> {
+    inner: Weak<Mutex<Inner<R, D>>>,
+    copies: Arc<CopyCounters>,
+    target: NamespaceTarget,
+    max_transfer: usize,
+    name: String,
+}
+
+impl<R: Registers, D: Dma> WeakNvmeShared<R, D> {
+    /// The controller, if something still holds it up.
+    pub fn upgrade(&self) -> Option<NvmeShared<R, D>> {
+        Some(NvmeShared {
+            inner: self.inner.upgrade()?,
+            copies: Arc::clone(&self.copies),
+            target: self.target,
+            max_transfer: self.max_transfer,
+            name: self.name.clone(),
+        })
+    }
+
+    /// Whether the controller has been dropped (shut down).
+    pub fn is_gone(&self) -> bool {
+        self.inner.strong_count() == 0
+    }
+
+    /// The namespace the controller was brought up with.
+    pub fn target(&self) -> NamespaceTarget {
+        self.target
+    }
+}
+
+impl<R: Registers, D: Dma> std::fmt::Debug for WeakNvmeShared<R, D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WeakNvmeShared")
+            .field("name", &self.name)
+            .field("target", &self.target)
+            .finish_non_exhaustive()
+    }
+}
+
 fn lock<R: Registers, D: Dma>(m: &Mutex<Inner<R, D>>) -> MutexGuard<'_, Inner<R, D>> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
@@ -246,6 +289,18 @@ impl<R: Registers, D: Dma> NvmeShared<R, D> {
             max_transfer,
             name,
         })
+    }
+
+    /// A reference that does not keep the controller up ([`WeakNvmeShared::upgrade`] gets
+    /// it back while any clone or engine lives).
+    pub fn downgrade(&self) -> WeakNvmeShared<R, D> {
+        WeakNvmeShared {
+            inner: Arc::downgrade(&self.inner),
+            copies: Arc::clone(&self.copies),
+            target: self.target,
+            max_transfer: self.max_transfer,
+            name: self.name.clone(),
+        }
     }
 
     /// An engine with at most `depth` operations in flight (capped by its queue's capacity) of

@@ -12,16 +12,16 @@
 use std::collections::BTreeMap;
 use std::num::NonZeroUsize;
 use std::os::fd::{AsRawFd, BorrowedFd};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use nix::sys::mman::{self, MapFlags, ProtFlags};
 use vfio_ioctls::{VfioContainer, VfioDevice, VfioOps};
 
 use super::{Controller, ControllerOptions, Dma, DmaRegion, Registers};
 use crate::Error;
-use crate::blockio::{NvmeNamespace, NvmeOpener, NvmeShared};
+use crate::blockio::{NvmeNamespace, NvmeOpener, NvmeShared, WeakNvmeShared};
 use crate::pinned::{HugePages, LentRegion, Locking, PinnedOptions, PinnedRegion};
 
 /// `VFIO_PCI_BAR0_REGION_INDEX` (`include/uapi/linux/vfio.h`).
@@ -357,20 +357,66 @@ impl VfioOpener {
     }
 }
 
+/// The controllers this process has brought up through VFIO, by PCI address. A VFIO group
+/// opens once per process (a second open fails with `EBUSY`), so every store, reader and fsck
+/// of this process on a device shares the one controller brought up first, as a store's own
+/// engines do; the entry does not keep it up (the last user's drop still shuts it down).
+static BROUGHT_UP: Mutex<Vec<(String, WeakNvmeShared<VfioBar, VfioDma>)>> =
+    Mutex::new(Vec::new());
+
 impl NvmeOpener for VfioOpener {
     fn name(&self) -> String {
         format!("vfio:{}", self.address)
     }
 
     fn lock_path(&self) -> Option<PathBuf> {
-        // The VFIO group is the lock: a second open of /dev/vfio/<group> fails with EBUSY.
-        None
+        // The VFIO group keeps other processes out (EBUSY) but not this one's second store on
+        // the shared controller: the location lock (one writer, or readers) is a file lock,
+        // which also names the holder to whoever is refused. /run/lock is the system's lock
+        // directory; the temporary directory where there is none (a minimal guest).
+        let dir = Path::new("/run/lock");
+        let dir = if dir.is_dir() {
+            dir.to_path_buf()
+        } else {
+            std::env::temp_dir()
+        };
+        let path = dir.join(format!("kvstack-vfio-{}.lock", self.address));
+        // Created if missing; a failure shows when the lock is taken.
+        let _ = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path);
+        Some(path)
     }
 
     fn open(&self) -> Result<Arc<dyn NvmeNamespace>, Error> {
+        let mut up = BROUGHT_UP
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        up.retain(|(_, w)| !w.is_gone());
+        if let Some((nsid, shared)) = up
+            .iter()
+            .find(|(a, _)| *a == self.address)
+            .and_then(|(_, w)| Some((w.target().nsid, w.upgrade()?)))
+        {
+            if nsid != self.options.namespace {
+                return Err(Error::Vfio {
+                    what: "opening the VFIO device",
+                    reason: format!(
+                        "{} is up in this process for namespace {nsid}, not {}",
+                        self.address, self.options.namespace
+                    ),
+                });
+            }
+            return Ok(Arc::new(shared));
+        }
+        // Brought up under the table's lock: two threads never both open the group.
         let (bar, dma) = open(&self.address)?;
         let ctrl = Controller::new(bar, dma, self.options)?;
-        Ok(Arc::new(NvmeShared::new(ctrl, self.name())?))
+        let shared = NvmeShared::new(ctrl, self.name())?;
+        up.push((self.address.clone(), shared.downgrade()));
+        Ok(Arc::new(shared))
     }
 }
 
