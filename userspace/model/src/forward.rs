@@ -26,7 +26,7 @@ use kvstack_kernels::model::{Expert, HcMix, HcShape, HcSite, MoeShape, Route};
 
 use crate::attention::{
     AttentionDims, ContiguousStore, Csa2Attention, KvStore, LayerTrace, PagedStore, PagedView,
-    StepState,
+    Projections, StepState,
 };
 use crate::weights::TensorFile;
 use kvstack_spec::config::ModelConfig;
@@ -605,19 +605,33 @@ impl Model {
         self.collapse(&format!("layer {l}: collapse"), prev_pre, streams, &mut x)?;
         let attn_input = self.norm_rows(&x, &b.attn_norm, "attn_norm")?;
         let mut lt = LayerTrace::default();
-        let mut y = Vec::with_capacity(n * h);
         let single = members.len() == 1;
-        let attend =
-            |m: &mut Member<'_, '_>, lt: Option<&mut LayerTrace>| -> Result<Vec<f32>, Error> {
-                let ws = if l >= boundary {
-                    m.decoder_window_start
-                } else {
-                    0
-                };
-                let rows = &attn_input[m.rows.start * h..m.rows.end * h];
-                self.attn
-                    .forward_from(l, &mut *m.store, &mut m.step, rows, lt, ws)
+        // The attention's projections over every member's rows at once (each weight read
+        // once per step, not once per member; rows do not interact, so each member's rows
+        // are those of its step alone), the selection and sparse attention per member over
+        // its own store, the output projection over all rows again.
+        let positions: Vec<u64> = members
+            .iter()
+            .flat_map(|m| m.p0..m.p0 + m.rows.len() as u64)
+            .collect();
+        let counts: Vec<usize> = members.iter().map(|m| m.rows.len()).collect();
+        let projections = self
+            .attn
+            .project(l, &attn_input, &positions)?
+            .split(l, &counts)?;
+        let attend = |m: &mut Member<'_, '_>,
+                      p: Projections,
+                      lt: Option<&mut LayerTrace>|
+         -> Result<Vec<f32>, Error> {
+            let ws = if l >= boundary {
+                m.decoder_window_start
+            } else {
+                0
             };
+            self.attn
+                .attend_projected(l, &mut *m.store, &mut m.step, p, lt, ws)
+        };
+        let mut attended = Vec::with_capacity(n * self.attn.dims().q_width());
         // Decode steps of several members: their attentions are independent, and one decode
         // query is too little work to split, so the members are spread over the threads
         // instead (prefill rows are split inside the attention).
@@ -625,12 +639,14 @@ impl Model {
         if spread > 1 && members.iter().all(|m| m.rows.len() <= MAX_SPREAD_ROWS) {
             let per = members.len().div_ceil(spread);
             let attend = &attend;
-            let parts = crate::threads::on_threads(members, per, |_, part| {
-                let mut y = Vec::new();
-                for m in part.iter_mut() {
-                    y.extend_from_slice(&attend(m, None)?);
+            let mut work: Vec<(&mut Member<'_, '_>, Projections)> =
+                members.iter_mut().zip(projections).collect();
+            let parts = crate::threads::on_threads(&mut work, per, |_, part| {
+                let mut a = Vec::new();
+                for (m, p) in part.iter_mut() {
+                    a.extend_from_slice(&attend(m, std::mem::take(p), None)?);
                 }
-                Ok::<_, Error>(y)
+                Ok::<_, Error>(a)
             });
             for part in parts {
                 let part = part.unwrap_or_else(|| {
@@ -638,13 +654,17 @@ impl Model {
                         "an attention worker thread panicked".into(),
                     ))
                 })?;
-                y.extend_from_slice(&part);
+                attended.extend_from_slice(&part);
             }
         } else {
-            for m in members.iter_mut() {
-                let out = attend(m, (single && trace.is_some()).then_some(&mut lt))?;
-                y.extend_from_slice(&out);
+            for (m, p) in members.iter_mut().zip(projections) {
+                let a = attend(m, p, (single && trace.is_some()).then_some(&mut lt))?;
+                attended.extend_from_slice(&a);
             }
+        }
+        let y = self.attn.output(l, &attended, &positions)?;
+        if single && trace.is_some() {
+            lt.output = y.clone();
         }
         self.expand(&format!("layer {l}: expand"), &attn_mix, &y, streams)?;
         let ffn_mix = self.mixes(&format!("layer {l}: ffn_hc"), &b.ffn_hc, streams, n)?;

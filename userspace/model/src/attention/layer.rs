@@ -18,6 +18,13 @@
 //!
 //! Every stage is also a public method taking that stage's inputs, which is how
 //! `verify attention` feeds each stage the reference's own inputs.
+//!
+//! [`Csa2Attention::forward_from`] is three parts, which a batch of sequences runs apart:
+//! [`Csa2Attention::project`] (the per-row projections of steps 1, 2, 3's compressor inputs
+//! and 4's queries and head weights), [`Csa2Attention::attend_projected`] (per sequence: the
+//! compressor, selection and sparse attention over its store) and [`Csa2Attention::output`].
+//! `Model::step_batch` runs the first and the last over every member's rows at once, so each
+//! weight is read once per step.
 
 use kvstack_firmware_interface::{EntryFormat, GlobalFp4Entry, IndexMxfp4Entry, WindowFp8Entry};
 use kvstack_kernels::attn as fast;
@@ -99,6 +106,141 @@ pub struct LayerTrace {
     pub attended: Vec<f32>,
     /// `[n, hidden]`.
     pub output: Vec<f32>,
+}
+
+/// The per-row projections of one layer's step (spec §4 steps 1, 2 and 4's queries and head
+/// weights, and the compressor's inputs of step 3): every row depends on its own input row and
+/// position only, so a batch computes them over all its members' rows with one product per
+/// weight ([`Csa2Attention::project`]) and hands each member its rows
+/// ([`Projections::split`]). The linear kernels sum each output element in one fixed order
+/// whatever the rows computed together, so a member's rows are bit for bit those of its step
+/// alone.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Projections {
+    /// Token positions of the rows.
+    pub positions: Vec<u64>,
+    /// `[n, q_lora_rank]`.
+    pub query_latent: Vec<f32>,
+    /// `[n, heads · head_dim]`, after RoPE.
+    pub query: Vec<f32>,
+    /// `[n, head_dim]`: window KV before FP8.
+    pub window_pre_quant: Vec<f32>,
+    /// `n` FP8 rows.
+    pub window_rows: Vec<u8>,
+    /// Index sources: `[n, index_heads · index_head_dim]` before MXFP4 (else empty).
+    pub index_queries_pre_quant: Vec<f32>,
+    /// Index sources: `n · index_heads` MXFP4 rows (else empty).
+    pub index_query_rows: Vec<u8>,
+    /// Index sources: `[n, index_heads]`, scaled (else empty).
+    pub index_weights: Vec<f32>,
+    /// KV sources: `[n, head_dim]`, the compressor's `x wkvᵀ` (else empty).
+    pub compressor_kv: Vec<f32>,
+    /// KV sources with a gate: `[n, head_dim]`, `x wgateᵀ`.
+    pub compressor_gate: Option<Vec<f32>>,
+}
+
+impl Projections {
+    /// Rows in the projections.
+    pub fn rows(&self) -> usize {
+        self.positions.len()
+    }
+
+    /// Cuts the rows into consecutive parts of `counts` rows (in order; they must add up to
+    /// [`Projections::rows`]).
+    ///
+    /// # Errors
+    /// [`Error::State`] naming `layer` when the counts do not cover the rows or a field is not
+    /// whole rows.
+    pub fn split(self, layer: usize, counts: &[usize]) -> Result<Vec<Projections>, Error> {
+        let n = self.rows();
+        if counts.iter().sum::<usize>() != n {
+            return Err(Error::State {
+                layer,
+                reason: format!("projections of {n} rows cut into parts of {counts:?}"),
+            });
+        }
+        if let [_] = counts {
+            return Ok(vec![self]);
+        }
+        fn cut<T: Clone>(
+            layer: usize,
+            what: &str,
+            v: &[T],
+            n: usize,
+            counts: &[usize],
+        ) -> Result<Vec<Vec<T>>, Error> {
+            if n == 0 || !v.len().is_multiple_of(n) {
+                return Err(Error::State {
+                    layer,
+                    reason: format!("{what}: {} values are not {n} whole rows", v.len()),
+                });
+            }
+            let w = v.len() / n;
+            let mut at = 0;
+            Ok(counts
+                .iter()
+                .map(|&c| {
+                    let part = v[at * w..(at + c) * w].to_vec();
+                    at += c;
+                    part
+                })
+                .collect())
+        }
+        let positions = cut(layer, "positions", &self.positions, n, counts)?;
+        let ql = cut(layer, "query latent", &self.query_latent, n, counts)?;
+        let q = cut(layer, "query", &self.query, n, counts)?;
+        let wpre = cut(layer, "window KV", &self.window_pre_quant, n, counts)?;
+        let wrows = cut(layer, "window rows", &self.window_rows, n, counts)?;
+        let opt = |what: &str, v: &[f32]| -> Result<Vec<Vec<f32>>, Error> {
+            if v.is_empty() {
+                Ok(vec![Vec::new(); counts.len()])
+            } else {
+                cut(layer, what, v, n, counts)
+            }
+        };
+        let iq_pre = opt("index queries", &self.index_queries_pre_quant)?;
+        let iq_rows = if self.index_query_rows.is_empty() {
+            vec![Vec::new(); counts.len()]
+        } else {
+            cut(layer, "index query rows", &self.index_query_rows, n, counts)?
+        };
+        let iw = opt("index weights", &self.index_weights)?;
+        let ckv = opt("compressor kv", &self.compressor_kv)?;
+        let gate = match &self.compressor_gate {
+            Some(g) => cut(layer, "compressor gate", g, n, counts)?
+                .into_iter()
+                .map(Some)
+                .collect(),
+            None => vec![None; counts.len()],
+        };
+        let mut parts = Vec::with_capacity(counts.len());
+        let fields = positions
+            .into_iter()
+            .zip(ql)
+            .zip(q)
+            .zip(wpre)
+            .zip(wrows)
+            .zip(iq_pre)
+            .zip(iq_rows)
+            .zip(iw)
+            .zip(ckv)
+            .zip(gate);
+        for (((((((((p, ql), q), wpre), wrows), iqp), iqr), iw), ckv), g) in fields {
+            parts.push(Projections {
+                positions: p,
+                query_latent: ql,
+                query: q,
+                window_pre_quant: wpre,
+                window_rows: wrows,
+                index_queries_pre_quant: iqp,
+                index_query_rows: iqr,
+                index_weights: iw,
+                compressor_kv: ckv,
+                compressor_gate: g,
+            });
+        }
+        Ok(parts)
+    }
 }
 
 /// One query's rows for the tiled attention path: its window rows and its selected entries,
@@ -333,6 +475,10 @@ impl Csa2Attention {
                 reason: format!("[{}, {}], expected [{n}, {k}]", w.n(), w.k()),
             });
         }
+        if m == 0 {
+            // No rows (a step that completes no compressor group): nothing to read.
+            return Ok(());
+        }
         w.forward_threads(x, m, out, self.threads)
     }
 
@@ -539,6 +685,17 @@ impl Csa2Attention {
         pending: &[f32],
         first: u64,
     ) -> Result<Compressed, Error> {
+        let (kv, gate) = self.compressor_projections(layer, x)?;
+        self.compress_projected(layer, &kv, gate.as_deref(), pending, first)
+    }
+
+    /// The compressor's projections of KV source `layer` over `x` (`[n, hidden]`): `x wkvᵀ`
+    /// and, where the layer has a gate, `x wgateᵀ`, each `[n, head_dim]`.
+    pub fn compressor_projections(
+        &self,
+        layer: usize,
+        x: &[f32],
+    ) -> Result<(Vec<f32>, Option<Vec<f32>>), Error> {
         let (spec, w, _) = self.spec(layer)?;
         let d = &self.dims;
         let Some(cw) = &w.compressor else {
@@ -548,7 +705,6 @@ impl Csa2Attention {
             });
         };
         let n = self.tokens(layer, "attention input [n, hidden]", x, d.hidden)?;
-        let ratio = spec.compress_ratio as usize;
         let mut kv = vec![0f32; n * d.head_dim];
         self.linear(x, &cw.wkv, n, d.hidden, d.head_dim, &mut kv)
             .map_err(Error::kernel(layer, "compressor.wkv"))?;
@@ -561,11 +717,42 @@ impl Csa2Attention {
             }
             None => None,
         };
+        Ok((kv, gate))
+    }
+
+    /// [`Csa2Attention::compress`] from the compressor's projections of the step's rows
+    /// (`kv` and `gate` `[n, head_dim]`, as [`Csa2Attention::compressor_projections`]).
+    pub fn compress_projected(
+        &self,
+        layer: usize,
+        kv: &[f32],
+        gate: Option<&[f32]>,
+        pending: &[f32],
+        first: u64,
+    ) -> Result<Compressed, Error> {
+        let (spec, w, _) = self.spec(layer)?;
+        let d = &self.dims;
+        let Some(cw) = &w.compressor else {
+            return Err(Error::State {
+                layer,
+                reason: format!("layer is {} and has no compressor", spec.mode),
+            });
+        };
+        let n = self.tokens(layer, "compressor kv [n, head_dim]", kv, d.head_dim)?;
+        if let Some(g) = gate {
+            check_input(
+                layer,
+                "compressor gate [n, head_dim]",
+                n * d.head_dim,
+                g.len(),
+            )?;
+        }
+        let ratio = spec.compress_ratio as usize;
         let mut state = CompressorState::with_pending(ratio, d.head_dim, pending)
             .map_err(Error::kernel(layer, "compressor state"))?;
         let mut latent = Vec::new();
         state
-            .push(&kv, gate.as_deref(), &mut latent)
+            .push(kv, gate, &mut latent)
             .map_err(Error::kernel(layer, "compressor"))?;
         rms_norm_in_place(&mut latent, &cw.norm, d.eps)
             .map_err(Error::kernel(layer, "compressor.norm"))?;
@@ -1310,6 +1497,19 @@ impl Csa2Attention {
         store: &mut dyn KvStore,
         x: &[f32],
     ) -> Result<Compressed, Error> {
+        let (kv, gate) = self.compressor_projections(layer, x)?;
+        self.compress_step_projected(layer, store, &kv, gate.as_deref())
+    }
+
+    /// [`Csa2Attention::compress_step`] from the compressor's projections of the step's rows
+    /// ([`Csa2Attention::compressor_projections`]).
+    pub fn compress_step_projected(
+        &self,
+        layer: usize,
+        store: &mut dyn KvStore,
+        kv: &[f32],
+        gate: Option<&[f32]>,
+    ) -> Result<Compressed, Error> {
         let (spec, _, _) = self.spec(layer)?;
         let r = u64::from(spec.compress_ratio.max(1));
         let (p0, len) = (store.step_start(), store.len());
@@ -1324,7 +1524,7 @@ impl Csa2Attention {
             });
         }
         let c = if p0 == len {
-            self.compress(layer, x, store.pending(layer), held)?
+            self.compress_projected(layer, kv, gate, store.pending(layer), held)?
         } else {
             if !p0.is_multiple_of(r) || p0 > len {
                 return Err(Error::State {
@@ -1334,7 +1534,7 @@ impl Csa2Attention {
                     ),
                 });
             }
-            self.compress(layer, x, &[], p0 / r)?
+            self.compress_projected(layer, kv, gate, &[], p0 / r)?
         };
         let skip = usize::try_from(held.saturating_sub(c.first)).unwrap_or(usize::MAX);
         let (eb, kb) = (
@@ -1357,6 +1557,80 @@ impl Csa2Attention {
         store: &mut dyn KvStore,
         step: &mut StepState,
         x: &[f32],
+        mut trace: Option<&mut LayerTrace>,
+        window_start: u64,
+    ) -> Result<Vec<f32>, Error> {
+        let d = &self.dims;
+        let n = step.tokens();
+        check_input(layer, "attention input [n, hidden]", n * d.hidden, x.len())?;
+        let p0 = store.step_start();
+        let positions: Vec<u64> = (p0..p0 + n as u64).collect();
+        let proj = self.project(layer, x, &positions)?;
+        let attended =
+            self.attend_projected(layer, store, step, proj, trace.as_deref_mut(), window_start)?;
+        let out = self.output(layer, &attended, &positions)?;
+        if let Some(tr) = trace {
+            tr.output = out.clone();
+        }
+        Ok(out)
+    }
+
+    /// The per-row projections of `layer` over `x` (`[n, hidden]`, the rows at `positions`,
+    /// of one or several sequences): the query latent and query, the window KV, an index
+    /// source's index queries and head weights, a KV source's compressor projections; one
+    /// product per weight over all rows.
+    pub fn project(
+        &self,
+        layer: usize,
+        x: &[f32],
+        positions: &[u64],
+    ) -> Result<Projections, Error> {
+        let (spec, _, _) = self.spec(layer)?;
+        let spec = *spec;
+        let d = &self.dims;
+        check_input(
+            layer,
+            "attention input [n, hidden]",
+            positions.len() * d.hidden,
+            x.len(),
+        )?;
+        let query_latent = self.query_latent(layer, x)?;
+        let query = self.query(layer, &query_latent, positions)?;
+        let (window_pre_quant, window_rows) = self.window_kv(layer, x, positions)?;
+        let mut p = Projections {
+            positions: positions.to_vec(),
+            query_latent,
+            query,
+            window_pre_quant,
+            window_rows,
+            ..Projections::default()
+        };
+        if spec.mode == LayerMode::Full {
+            let (kv, gate) = self.compressor_projections(layer, x)?;
+            p.compressor_kv = kv;
+            p.compressor_gate = gate;
+        }
+        if spec.compress_ratio > 0 && spec.index_source == Some(layer) {
+            let (iq_pre, iq_rows) = self.index_queries(layer, &p.query_latent, positions)?;
+            p.index_queries_pre_quant = iq_pre;
+            p.index_query_rows = iq_rows;
+            p.index_weights = self.index_weights(layer, x)?;
+        }
+        Ok(p)
+    }
+
+    /// One sequence's part of [`Csa2Attention::forward_from`] after the projections: from its
+    /// rows of [`Csa2Attention::project`] (positions `store.step_start() ..`), the compressor
+    /// step, the indexer's selection and the sparse attention; pushes the window rows and
+    /// returns the attended rows `[n, heads · head_dim]` before the inverse RoPE, which
+    /// [`Csa2Attention::output`] takes (over one sequence's rows or a batch's). With `trace`,
+    /// every intermediate but the output is recorded there.
+    pub fn attend_projected(
+        &self,
+        layer: usize,
+        store: &mut dyn KvStore,
+        step: &mut StepState,
+        proj: Projections,
         trace: Option<&mut LayerTrace>,
         window_start: u64,
     ) -> Result<Vec<f32>, Error> {
@@ -1364,18 +1638,51 @@ impl Csa2Attention {
         let spec = *spec;
         let d = &self.dims;
         let n = step.tokens();
-        check_input(layer, "attention input [n, hidden]", n * d.hidden, x.len())?;
         let p0 = store.step_start();
         let window_start = window_start.max(store.window_floor());
-        let positions: Vec<u64> = (p0..p0 + n as u64).collect();
-
-        let ql = self.query_latent(layer, x)?;
-        let q = self.query(layer, &ql, &positions)?;
-        let (wpre, wrows) = self.window_kv(layer, x, &positions)?;
+        let Projections {
+            positions,
+            query_latent: ql,
+            query: q,
+            window_pre_quant: wpre,
+            window_rows: wrows,
+            index_queries_pre_quant: iq_pre,
+            index_query_rows: iq_rows,
+            index_weights: iw,
+            compressor_kv,
+            compressor_gate,
+        } = proj;
+        if positions.len() != n || positions.iter().zip(p0..).any(|(&p, want)| p != want) {
+            return Err(Error::State {
+                layer,
+                reason: format!(
+                    "projections of {} rows from position {:?}, the step is {n} tokens from {p0}",
+                    positions.len(),
+                    positions.first()
+                ),
+            });
+        }
+        check_input(
+            layer,
+            "query [n, heads * head_dim]",
+            n * d.q_width(),
+            q.len(),
+        )?;
+        check_input(
+            layer,
+            "window rows",
+            n * self.window_codec.bytes(),
+            wrows.len(),
+        )?;
 
         let mut compressed = None;
         if spec.mode == LayerMode::Full {
-            compressed = Some(self.compress_step(layer, store, x)?);
+            compressed = Some(self.compress_step_projected(
+                layer,
+                store,
+                &compressor_kv,
+                compressor_gate.as_deref(),
+            )?);
             // spec §4: a Full layer starts a new selection state; only the candidate source
             // publishes candidates (below).
             step.candidates = None;
@@ -1384,8 +1691,12 @@ impl Csa2Attention {
         let mut t = LayerTrace::default();
         let src = spec.kv_source.unwrap_or(layer);
         if spec.compress_ratio > 0 && spec.index_source == Some(layer) {
-            let (iq_pre, iq_rows) = self.index_queries(layer, &ql, &positions)?;
-            let iw = self.index_weights(layer, x)?;
+            check_input(
+                layer,
+                "index weights [n, index_heads]",
+                n * d.index_heads,
+                iw.len(),
+            )?;
             let width = usize::try_from(store.compressed_len(src)).unwrap_or(usize::MAX);
             let runs = store.index_key_runs(src);
             // Serving a Reindex layer that uses the step's candidate pools: only the pool
@@ -1495,7 +1806,6 @@ impl Csa2Attention {
         let entry = |j: u64| store_ref.compressed_row(src, j);
         let attended =
             self.attend_from(layer, &q, &positions, &window, &entry, topk, window_start)?;
-        let out = self.output(layer, &attended, &positions)?;
         if let Some(tr) = trace {
             t.topk = topk.map(|tk| tk.rows.clone()).unwrap_or_default();
             t.positions = positions;
@@ -1503,13 +1813,12 @@ impl Csa2Attention {
             t.query = q;
             t.window_pre_quant = wpre;
             t.compressed = compressed;
-            t.attended = attended;
-            t.output = out.clone();
+            t.attended = attended.clone();
             t.window_rows = wrows.clone();
             *tr = t;
         }
         store.push_window(layer, p0, &wrows)?;
-        Ok(out)
+        Ok(attended)
     }
 }
 
