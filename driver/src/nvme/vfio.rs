@@ -361,8 +361,7 @@ impl VfioOpener {
 /// opens once per process (a second open fails with `EBUSY`), so every store, reader and fsck
 /// of this process on a device shares the one controller brought up first, as a store's own
 /// engines do; the entry does not keep it up (the last user's drop still shuts it down).
-static BROUGHT_UP: Mutex<Vec<(String, WeakNvmeShared<VfioBar, VfioDma>)>> =
-    Mutex::new(Vec::new());
+static BROUGHT_UP: Mutex<Vec<(String, WeakNvmeShared<VfioBar, VfioDma>)>> = Mutex::new(Vec::new());
 
 impl NvmeOpener for VfioOpener {
     fn name(&self) -> String {

@@ -493,7 +493,11 @@ fn device_mode_and_sync_engine_roundtrip() {
             let probe = kvstack_driver::probe::probe_o_direct(dir.path());
             if !probe.available {
                 // Refusing is right there (tested in the driver); the QEMU rig's /tmp is tmpfs.
-                eprintln!("skipped: direct I/O in {}: {}", dir.path().display(), probe.detail);
+                eprintln!(
+                    "skipped: direct I/O in {}: {}",
+                    dir.path().display(),
+                    probe.detail
+                );
                 continue;
             }
         }
