@@ -175,3 +175,69 @@ fn linear_timings() {
         }
     }
 }
+
+/// `SparseAttention::run` of one query at the built-in model's shape (4 heads of 512, 128
+/// FP8 window rows and 72 selected FP4 entries), at every level this CPU has: over quantized
+/// keys (decode: each key decoded in the call) and over decoded ones (prefill: keys decoded
+/// once per step), with the speed-up over the portable level measured in the same run.
+#[test]
+#[ignore = "benchmark; run explicitly in release"]
+fn attention_timings() {
+    use kvstack_kernels::csa2::attention::{AttentionShape, KeyRow, SparseAttention};
+
+    let (heads, d, window, entries) = (4, 512, 128, 72);
+    let shape = AttentionShape::new(heads, d).unwrap();
+    let (wc, ec) = (shape.window_codec(), shape.compressed_codec());
+    // Uniform in [-1, 1): logits of a few units, as in the model, so that most keys take the
+    // accumulate step (with `activations`' wide range most would underflow to weight zero).
+    let mut seed = 0x2545_f491_u64;
+    let mut uniform = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        (seed >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    };
+    let x: Vec<f32> = (0..(window + entries) * d).map(|_| uniform()).collect();
+    let mut wrows = vec![0u8; window * wc.bytes()];
+    let mut erows = vec![0u8; entries * ec.bytes()];
+    wc.quantize(&x[..window * d], &mut wrows).unwrap();
+    ec.quantize(&x[window * d..], &mut erows).unwrap();
+    let quantized: Vec<KeyRow<'_>> = wrows
+        .chunks_exact(wc.bytes())
+        .map(KeyRow::Window)
+        .chain(erows.chunks_exact(ec.bytes()).map(KeyRow::Compressed))
+        .collect();
+    let mut dec = vec![0f32; x.len()];
+    for (k, row) in quantized.iter().zip(dec.chunks_exact_mut(d)) {
+        shape.decode_row(*k, row).unwrap();
+    }
+    let decoded: Vec<KeyRow<'_>> = dec.chunks_exact(d).map(KeyRow::Decoded).collect();
+    let q: Vec<f32> = (0..heads * d).map(|_| uniform()).collect();
+    let sinks = vec![0.25f32; heads];
+    let mut out = vec![0f32; heads * d];
+    let keys = quantized.len() as f64;
+    let mut base = [0f64; 2];
+    for level in available_levels() {
+        let mut attn = SparseAttention::with_level(shape, level).unwrap();
+        let mut line = format!("{:8} attention {heads}x{d}, {keys} keys:", level.name());
+        for (i, (name, rows)) in [("quantized", &quantized), ("decoded", &decoded)]
+            .into_iter()
+            .enumerate()
+        {
+            let ns = min_ns(300, || {
+                attn.run(black_box(&q), &sinks, rows.iter().copied(), &mut out)
+                    .unwrap();
+            });
+            if level == SimdLevel::Portable {
+                base[i] = ns;
+            }
+            line += &format!(
+                "  {name} {:7.1} us ({:5.1} ns/key, {:.2}x portable)",
+                ns / 1e3,
+                ns / keys,
+                base[i] / ns
+            );
+        }
+        println!("{line}");
+    }
+}

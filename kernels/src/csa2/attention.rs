@@ -11,13 +11,17 @@
 //! - [`SparseAttention`]: decodes each key row once into a scratch row (SIMD at 512 wide) and
 //!   uses it for every head's dot and, through [`super::softmax::OnlineSoftmax`], for the
 //!   weighted sum of values, so nothing is materialized beyond one row. Its results differ
-//!   from the reference by rounding only (summation order of the dots and of `P · V`).
+//!   from the reference by rounding only (summation order of the dots and of `P · V`), and
+//!   are the same bits at every SIMD level: the AVX2 loop runs four heads at once, the AVX-512
+//!   one two heads per vector over batches of keys, each with the portable loop's multiplies
+//!   and adds per element in the same order (no FMA), which prefill == decode relies on.
 
 use kvstack_firmware_interface::EntryFormat;
 
 use super::quant::RowCodec;
-use super::softmax::{OnlineSoftmax, softmax_with_sink_ref};
+use super::softmax::{OnlineSoftmax, PushStep, softmax_with_sink_ref};
 use super::{Error, check_len};
+use crate::level::{SimdLevel, Verified};
 
 /// One attended key: a quantized row of the window (FP8) or of the compressed cache (FP4).
 #[derive(Clone, Copy, Debug)]
@@ -151,16 +155,52 @@ pub fn sparse_attention_ref(
 #[derive(Clone, Debug)]
 pub struct SparseAttention {
     shape: AttentionShape,
-    row: Vec<f32>,
+    level: Verified,
+    /// Decoded key rows: one for the portable and AVX2 loops, [`KEY_BATCH`] for AVX-512.
+    rows: Vec<f32>,
+    /// The query with heads interleaved in pairs for the AVX-512 dots (see [`interleave_pairs`]).
+    pairs: Vec<f32>,
     heads: Vec<OnlineSoftmax>,
 }
 
+/// Keys the AVX-512 path takes at once: their dots are independent add chains (a dot's own
+/// chain is fixed by the bit-identity), and each accumulator element is loaded and stored once
+/// for all of them.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+const KEY_BATCH: usize = 4;
+
+/// A key of the batch being gathered: borrowed when already decoded, else in a scratch row.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+#[derive(Clone, Copy)]
+enum Gathered<'k> {
+    Borrowed(&'k [f32]),
+    Scratch(usize),
+}
+
 impl SparseAttention {
-    /// Buffers for `shape`.
+    /// Buffers for `shape`, computing with the process-wide SIMD level
+    /// ([`crate::detected_level`]).
     pub fn new(shape: AttentionShape) -> SparseAttention {
+        SparseAttention::build(shape, Verified::detected())
+    }
+
+    /// Buffers for `shape`, computing with `level` (every level gives the same bits; this is
+    /// for benchmarks and tests). An error if this CPU cannot run `level`.
+    pub fn with_level(shape: AttentionShape, level: SimdLevel) -> Result<SparseAttention, Error> {
+        Ok(SparseAttention::build(shape, Verified::new(level)?))
+    }
+
+    fn build(shape: AttentionShape, level: Verified) -> SparseAttention {
+        let rows = if level.level() == SimdLevel::Avx512 {
+            KEY_BATCH
+        } else {
+            1
+        };
         SparseAttention {
             shape,
-            row: vec![0.0; shape.head_dim],
+            level,
+            rows: vec![0.0; rows * shape.head_dim],
+            pairs: Vec::new(),
             heads: (0..shape.heads)
                 .map(|_| OnlineSoftmax::new(shape.head_dim, 0.0))
                 .collect(),
@@ -170,6 +210,11 @@ impl SparseAttention {
     /// The shape.
     pub fn shape(&self) -> &AttentionShape {
         &self.shape
+    }
+
+    /// The SIMD level it computes with.
+    pub fn level(&self) -> SimdLevel {
+        self.level.level()
     }
 
     /// Attention of one query token (`q`: `[heads, head_dim]`) over `keys`, into `out`
@@ -187,35 +232,106 @@ impl SparseAttention {
         for (h, &s) in self.heads.iter_mut().zip(sinks) {
             h.reset(s);
         }
-        let avx2 = crate::level::detected_level() != crate::level::SimdLevel::Portable;
-        for key in keys {
-            let row: &[f32] = match key {
-                KeyRow::Decoded(v) => {
-                    check_len("decoded key row [head_dim]", d, v.len())?;
-                    v
+        match self.level.level() {
+            #[cfg(target_arch = "x86_64")]
+            SimdLevel::Avx512 => self.keys_avx512(q, keys)?,
+            level => {
+                for key in keys {
+                    let row: &[f32] = match key {
+                        KeyRow::Decoded(v) => {
+                            check_len("decoded key row [head_dim]", d, v.len())?;
+                            v
+                        }
+                        _ => {
+                            shape.decode(key, &mut self.rows, false)?;
+                            &self.rows
+                        }
+                    };
+                    if level == SimdLevel::Avx2 {
+                        #[cfg(target_arch = "x86_64")]
+                        // SAFETY: `self.level` is verified available, and the AVX2 level
+                        // means the CPU has AVX2 and FMA, the features `key_step_avx2` is
+                        // compiled for.
+                        unsafe {
+                            key_step_avx2(q, row, shape.scale, &mut self.heads);
+                        }
+                        #[cfg(not(target_arch = "x86_64"))]
+                        key_step(q, row, shape.scale, &mut self.heads);
+                    } else {
+                        key_step(q, row, shape.scale, &mut self.heads);
+                    }
                 }
-                _ => {
-                    shape.decode(key, &mut self.row, false)?;
-                    &self.row
-                }
-            };
-            if avx2 {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: `detected_level` reports AVX2 (or better) only when the CPU has
-                // AVX2 and FMA, the features `key_step_avx2` is compiled for.
-                unsafe {
-                    key_step_avx2(q, row, shape.scale, &mut self.heads);
-                }
-                #[cfg(not(target_arch = "x86_64"))]
-                key_step(q, row, shape.scale, &mut self.heads);
-            } else {
-                key_step(q, row, shape.scale, &mut self.heads);
             }
         }
-        for (acc, oh) in self.heads.iter().zip(out.chunks_exact_mut(d)) {
+        for (acc, oh) in self.heads.iter().zip(out.chunks_exact_mut(d.max(1))) {
             acc.finish(oh)?;
         }
         Ok(())
+    }
+
+    /// The AVX-512 key loop: keys in batches of [`KEY_BATCH`] (quantized ones decoded into the
+    /// scratch rows), each batch through [`key_batch_avx512`], in key order.
+    #[cfg(target_arch = "x86_64")]
+    fn keys_avx512<'k>(
+        &mut self,
+        q: &[f32],
+        keys: impl IntoIterator<Item = KeyRow<'k>>,
+    ) -> Result<(), Error> {
+        let shape = self.shape;
+        let d = shape.head_dim;
+        interleave_pairs(q, shape.heads, d, &mut self.pairs);
+        let mut batch = [Gathered::Scratch(0); KEY_BATCH];
+        let mut n = 0;
+        let mut keys = keys.into_iter();
+        loop {
+            let key = keys.next();
+            if let Some(key) = key {
+                batch[n] = match key {
+                    KeyRow::Decoded(v) => {
+                        check_len("decoded key row [head_dim]", d, v.len())?;
+                        Gathered::Borrowed(v)
+                    }
+                    _ => {
+                        shape.decode(key, &mut self.rows[n * d..(n + 1) * d], false)?;
+                        Gathered::Scratch(n)
+                    }
+                };
+                n += 1;
+            }
+            if n == KEY_BATCH || (key.is_none() && n > 0) {
+                let rows = batch.map(|g| match g {
+                    Gathered::Borrowed(v) => v,
+                    Gathered::Scratch(i) => &self.rows[i * d..(i + 1) * d],
+                });
+                // SAFETY: `self.level` is verified available and is AVX-512, which means
+                // AVX-512 F and AVX2 + FMA, the features `key_batch_avx512` is compiled for.
+                unsafe {
+                    key_batch_avx512(&self.pairs, q, &rows[..n], shape.scale, &mut self.heads);
+                }
+                n = 0;
+            }
+            if key.is_none() {
+                return Ok(());
+            }
+        }
+    }
+}
+
+/// Lays the query `[heads, d]` out for the AVX-512 dots: for each pair of heads `(a, b)` and
+/// each whole 8-wide chunk `c`, 16 floats: `q_a[8c..8c+8]` then `q_b[8c..8c+8]` (zeros for
+/// `b` when the head count is odd). The chunks' tails stay in `q`.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+fn interleave_pairs(q: &[f32], heads: usize, d: usize, out: &mut Vec<f32>) {
+    let chunks = d / 8;
+    out.clear();
+    out.resize(heads.div_ceil(2) * chunks * 16, 0.0);
+    for (h, qh) in q.chunks_exact(d.max(1)).take(heads).enumerate() {
+        let half = (h % 2) * 8;
+        let base = (h / 2) * chunks * 16;
+        for (c, x) in qh.as_chunks::<8>().0.iter().enumerate() {
+            let at = base + c * 16 + half;
+            out[at..at + 8].copy_from_slice(x);
+        }
     }
 }
 
@@ -323,6 +439,234 @@ fn dot8_avx2(a: &[f32], b: &[f32]) -> f32 {
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
 }
 
+/// A batch of keys (`rows`, in key order, at most [`KEY_BATCH`]) for every head with AVX-512:
+/// the same operations as [`key_step`] on each key in turn, on wider vectors.
+///
+/// - Dots: two heads share a 512-bit accumulator (lanes 0-7 head `a`, 8-15 head `b`; the row
+///   chunk is broadcast to both halves), so each lane is [`dot8`]'s lane: the same products
+///   added in the same order, reduced the same way with the same scalar tail. The keys' dots
+///   are independent, so a batch runs several add chains at once.
+/// - Pushes: per head, [`OnlineSoftmax::advance`] in key order (the scalar part), then one pass
+///   over the accumulator applying the keys' element updates in key order, 16 elements wide.
+///
+/// # Safety
+/// The CPU must support AVX-512 F, AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn key_batch_avx512(
+    pairs: &[f32],
+    q: &[f32],
+    rows: &[&[f32]],
+    scale: f32,
+    heads: &mut [OnlineSoftmax],
+) {
+    debug_assert!(rows.len() <= KEY_BATCH);
+    let n = rows.len().min(KEY_BATCH);
+    let Some(&first) = rows.first() else {
+        return;
+    };
+    let d = first.len();
+    let chunks = d / 8;
+    let pair = |p: usize| &pairs[p * chunks * 16..(p + 1) * chunks * 16];
+    // Four heads (two pairs) at a time: eight independent add chains of the dots, each
+    // broadcast row chunk used by both pairs.
+    for (g, group) in heads.chunks_mut(4).enumerate() {
+        let lanes = if group.len() > 2 {
+            dots_avx512([pair(2 * g), pair(2 * g + 1)], rows)
+        } else {
+            let [l] = dots_avx512([pair(2 * g)], rows);
+            [l, [[0f32; 16]; KEY_BATCH]]
+        };
+        let mut logits = [[0f32; KEY_BATCH]; 4];
+        for (i, lg) in logits.iter_mut().enumerate().take(group.len()) {
+            let qh = &q[(4 * g + i) * d..(4 * g + i + 1) * d];
+            let half = (i % 2) * 8;
+            for ((l, lane), row) in lg.iter_mut().zip(&lanes[i / 2]).zip(&rows[..n]) {
+                let acc = &lane[half..half + 8];
+                let mut tail = 0f32;
+                for (x, y) in qh[chunks * 8..].iter().zip(&row[chunks * 8..]) {
+                    tail += x * y;
+                }
+                let dot = ((acc[0] + acc[4]) + (acc[1] + acc[5]))
+                    + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
+                    + tail;
+                *l = dot * scale;
+            }
+        }
+        // The scalar steps key by key, the group's heads side by side: each head's chain
+        // (compare, `exp`, denominator) stays in key order, and the heads' chains overlap.
+        let mut steps = [[PushStep::Skip; KEY_BATCH]; 4];
+        for k in 0..n {
+            for ((st, lg), head) in steps.iter_mut().zip(&logits).zip(group.iter_mut()) {
+                st[k] = head.advance(lg[k]);
+            }
+        }
+        for (head, steps) in group.iter_mut().zip(&steps) {
+            let rescales = steps.iter().any(|st| matches!(st, PushStep::Rescale(_)));
+            let acc = head.acc_mut();
+            if rescales {
+                // Rare (a new running maximum): one pass per key, in key order.
+                for (&st, row) in steps.iter().zip(rows) {
+                    apply_avx512(acc, st, row);
+                }
+            } else {
+                // The usual case: every key accumulates (or is skipped), one pass for all.
+                let mut w = [0f32; KEY_BATCH];
+                let mut r: [&[f32]; KEY_BATCH] = [&[]; KEY_BATCH];
+                let mut m = 0;
+                for (&st, &row) in steps.iter().zip(rows) {
+                    if let PushStep::Accumulate(e) = st {
+                        (w[m], r[m]) = (e, row);
+                        m += 1;
+                    }
+                }
+                match m {
+                    0 => {}
+                    1 => accumulate_avx512(acc, [w[0]], [r[0]]),
+                    2 => accumulate_avx512(acc, [w[0], w[1]], [r[0], r[1]]),
+                    3 => accumulate_avx512(acc, [w[0], w[1], w[2]], [r[0], r[1], r[2]]),
+                    _ => accumulate_avx512(acc, w, r),
+                }
+            }
+        }
+    }
+}
+
+/// [`dot_pairs_avx512`] of the `P` pairs with the batch's rows (1 to [`KEY_BATCH`]; lane
+/// sets past the batch are zero, unused).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+fn dots_avx512<const P: usize>(qp: [&[f32]; P], rows: &[&[f32]]) -> [[[f32; 16]; KEY_BATCH]; P] {
+    fn pad<const P: usize, const N: usize>(v: [[[f32; 16]; N]; P]) -> [[[f32; 16]; KEY_BATCH]; P] {
+        v.map(|l| {
+            let mut out = [[0f32; 16]; KEY_BATCH];
+            out[..N].copy_from_slice(&l);
+            out
+        })
+    }
+    match rows {
+        [] => [[[0f32; 16]; KEY_BATCH]; P],
+        [a] => pad(dot_pairs_avx512(qp, [*a])),
+        [a, b] => pad(dot_pairs_avx512(qp, [*a, *b])),
+        [a, b, c] => pad(dot_pairs_avx512(qp, [*a, *b, *c])),
+        // (The caller passes at most `KEY_BATCH` rows.)
+        [a, b, c, e, ..] => dot_pairs_avx512(qp, [*a, *b, *c, *e]),
+    }
+}
+
+/// The 16 lane sums of two heads' [`dot8`] accumulators (lanes 0-7 the pair's first head,
+/// 8-15 its second) for each of `P` pairs and `N` rows: `qp[p]` is a pair's interleaved
+/// query (16 floats a chunk, [`interleave_pairs`]); lane `i` adds `q[8c+i] * row[8c+i]` for
+/// `c = 0, 1, ...` in order, a separate multiply and add as [`dot8`] does.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+fn dot_pairs_avx512<const P: usize, const N: usize>(
+    qp: [&[f32]; P],
+    rows: [&[f32]; N],
+) -> [[[f32; 16]; N]; P] {
+    use std::arch::x86_64::{
+        __m512, _mm256_loadu_pd, _mm512_add_ps, _mm512_broadcast_f64x4, _mm512_castpd_ps,
+        _mm512_loadu_ps, _mm512_mul_ps, _mm512_setzero_ps, _mm512_storeu_ps,
+    };
+    let chunks = qp.iter().map(|x| x.len() / 16).min().unwrap_or(0);
+    // Each pair's and row's whole chunks (a shorter row panics here, before any load);
+    // pointers, so that the loop carries no bounds checks.
+    let xp = qp.map(|x| x[..chunks * 16].as_ptr());
+    let rp = rows.map(|r| r[..chunks * 8].as_ptr());
+    let mut v: [[__m512; N]; P] = [[_mm512_setzero_ps(); N]; P];
+    for c in 0..chunks {
+        // SAFETY: `xp[p] + 16c .. + 16` lies in pair `p`'s first `16 * chunks` floats and
+        // `rp[k] + 8c .. + 8` in row `k`'s first `8 * chunks` (`c < chunks`): unaligned
+        // 512- and 256-bit loads.
+        unsafe {
+            let xv = xp.map(|x| _mm512_loadu_ps(x.add(c * 16)));
+            for (k, r) in rp.iter().enumerate() {
+                // The 8 floats in both halves (a 64-bit-element broadcast moves the same
+                // bits and needs only AVX-512 F).
+                let y = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd(
+                    r.add(c * 8).cast::<f64>(),
+                )));
+                for (vp, x) in v.iter_mut().zip(&xv) {
+                    vp[k] = _mm512_add_ps(vp[k], _mm512_mul_ps(*x, y));
+                }
+            }
+        }
+    }
+    v.map(|vp| {
+        vp.map(|vk| {
+            let mut o = [0f32; 16];
+            // SAFETY: `o` holds 16 f32, one unaligned 512-bit store.
+            unsafe { _mm512_storeu_ps(o.as_mut_ptr(), vk) };
+            o
+        })
+    })
+}
+
+/// `acc[j] = acc[j] + w_k * rows[k][j]` for `k = 0..N` in order (a multiply, then an add, as
+/// [`OnlineSoftmax::push`] does per key), 16 elements at a time, each element loaded and
+/// stored once.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+fn accumulate_avx512<const N: usize>(acc: &mut [f32], w: [f32; N], rows: [&[f32]; N]) {
+    use std::arch::x86_64::{
+        _mm512_add_ps, _mm512_loadu_ps, _mm512_mul_ps, _mm512_set1_ps, _mm512_storeu_ps,
+    };
+    let d = acc.len();
+    // Each row cut to the accumulator's width (a shorter row panics here, before any load);
+    // pointers, so that the loop carries no bounds checks.
+    let rows = rows.map(|r| &r[..d]);
+    let rp = rows.map(|r| r.as_ptr());
+    let wv = w.map(|e| _mm512_set1_ps(e));
+    let (ac, at) = acc.as_chunks_mut::<16>();
+    let whole = ac.len() * 16;
+    for (j, a) in ac.iter_mut().enumerate() {
+        // SAFETY: `a` is an array of 16 f32, and `rp[k] + 16j .. + 16j + 16` lies within row
+        // `k`'s `d` floats (`16j + 16 <= whole <= d`): unaligned 512-bit loads and one store.
+        unsafe {
+            let mut x = _mm512_loadu_ps(a.as_ptr());
+            for (e, r) in wv.iter().zip(&rp) {
+                x = _mm512_add_ps(x, _mm512_mul_ps(*e, _mm512_loadu_ps(r.add(j * 16))));
+            }
+            _mm512_storeu_ps(a.as_mut_ptr(), x);
+        }
+    }
+    for (i, a) in at.iter_mut().enumerate() {
+        for (&e, r) in w.iter().zip(&rows) {
+            *a += e * r[whole + i];
+        }
+    }
+}
+
+/// One key's [`PushStep`] on the accumulator, 16 elements at a time (the same per-element
+/// operations as [`OnlineSoftmax::push`]).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+fn apply_avx512(acc: &mut [f32], step: PushStep, row: &[f32]) {
+    use std::arch::x86_64::{
+        _mm512_add_ps, _mm512_loadu_ps, _mm512_mul_ps, _mm512_set1_ps, _mm512_storeu_ps,
+    };
+    let (ac, at) = acc.as_chunks_mut::<16>();
+    let (rc, rt) = row[..ac.len() * 16 + at.len()].as_chunks::<16>();
+    match step {
+        PushStep::Rescale(s) => {
+            let sv = _mm512_set1_ps(s);
+            for (a, r) in ac.iter_mut().zip(rc) {
+                // SAFETY: `a` and `r` are arrays of 16 f32: unaligned loads and a store.
+                unsafe {
+                    let x = _mm512_loadu_ps(a.as_ptr());
+                    let x = _mm512_add_ps(_mm512_mul_ps(x, sv), _mm512_loadu_ps(r.as_ptr()));
+                    _mm512_storeu_ps(a.as_mut_ptr(), x);
+                }
+            }
+            for (a, &v) in at.iter_mut().zip(rt) {
+                *a = *a * s + v;
+            }
+        }
+        PushStep::Accumulate(e) => accumulate_avx512(acc, [e], [row]),
+        PushStep::Skip => {}
+    }
+}
+
 /// f32 dot with eight partial sums (vectorizable).
 #[inline(always)]
 fn dot8(a: &[f32], b: &[f32]) -> f32 {
@@ -347,40 +691,158 @@ mod tests {
 
     use super::*;
 
-    /// The AVX2 key loop (heads in groups of four, then the rest) gives exactly the portable
-    /// loop's bits, for head counts with and without a remainder and a width with a tail.
-    #[test]
-    fn avx2_key_step_is_bit_identical_to_the_portable_one() {
-        if !crate::level::SimdLevel::Avx2.is_available() {
-            return;
-        }
-        let mut x = 0x2545_f491_u64;
-        let mut next = move || {
+    fn rng(seed: u64) -> impl FnMut() -> f32 {
+        let mut x = seed;
+        move || {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
             ((x >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
-        };
-        for (heads, d) in [(4usize, 512usize), (6, 64), (3, 36), (9, 520)] {
+        }
+    }
+
+    fn bits(heads: &[OnlineSoftmax], d: usize) -> Vec<Vec<u32>> {
+        heads
+            .iter()
+            .map(|h| {
+                let mut o = vec![0f32; d];
+                h.finish(&mut o).unwrap();
+                o.iter().map(|v| v.to_bits()).collect()
+            })
+            .collect()
+    }
+
+    /// The AVX2 key loop (heads in groups of four, then the rest) and the AVX-512 batches
+    /// (heads in pairs, keys in batches of every size from 1 to `KEY_BATCH`) give exactly the
+    /// portable loop's bits, for head counts with and without a remainder, widths with a tail
+    /// (of the 8-wide dot chunks and of the 16-wide accumulator chunks), and keys that make a
+    /// new maximum mid-batch or underflow to weight zero.
+    #[test]
+    fn simd_key_steps_are_bit_identical_to_the_portable_one() {
+        let avx2 = SimdLevel::Avx2.is_available();
+        let avx512 = SimdLevel::Avx512.is_available();
+        if !avx2 {
+            eprintln!("skipped the AVX2 comparison: this CPU lacks AVX2/FMA");
+        }
+        if !avx512 {
+            eprintln!("skipped the AVX-512 comparison: this CPU lacks AVX-512 F/BW/VL");
+        }
+        let mut next = rng(0x2545_f491);
+        for (heads, d) in [
+            (4usize, 512usize),
+            (6, 64),
+            (3, 36),
+            (9, 520),
+            (1, 8),
+            (2, 5),
+            (5, 24),
+        ] {
             let q: Vec<f32> = (0..heads * d).map(|_| next()).collect();
+            let mut rows: Vec<Vec<f32>> =
+                (0..43).map(|_| (0..d).map(|_| next()).collect()).collect();
+            // Large rows: a new maximum for some heads (mid-batch), weight zero for others.
+            for i in [22, 29] {
+                rows[i].iter_mut().for_each(|v| *v *= 400.0);
+            }
             let mut a: Vec<OnlineSoftmax> =
                 (0..heads).map(|_| OnlineSoftmax::new(d, 0.5)).collect();
-            let mut b = a.clone();
-            for _ in 0..40 {
-                let row: Vec<f32> = (0..d).map(|_| next()).collect();
-                key_step(&q, &row, 0.125, &mut a);
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: AVX2 and FMA were checked above.
-                unsafe {
-                    key_step_avx2(&q, &row, 0.125, &mut b);
+            for row in &rows {
+                key_step(&q, row, 0.125, &mut a);
+            }
+            let want = bits(&a, d);
+            #[cfg(target_arch = "x86_64")]
+            if avx2 {
+                let mut b: Vec<OnlineSoftmax> =
+                    (0..heads).map(|_| OnlineSoftmax::new(d, 0.5)).collect();
+                for row in &rows {
+                    // SAFETY: AVX2 and FMA were checked above.
+                    unsafe { key_step_avx2(&q, row, 0.125, &mut b) };
+                }
+                assert!(bits(&b, d) == want, "AVX2, heads {heads}, width {d}");
+            }
+            #[cfg(target_arch = "x86_64")]
+            if avx512 {
+                let mut c: Vec<OnlineSoftmax> =
+                    (0..heads).map(|_| OnlineSoftmax::new(d, 0.5)).collect();
+                let mut pairs = Vec::new();
+                interleave_pairs(&q, heads, d, &mut pairs);
+                let refs: Vec<&[f32]> = rows.iter().map(|r| r.as_slice()).collect();
+                let (mut at, mut size) = (0, 1);
+                while at < refs.len() {
+                    let end = (at + size).min(refs.len());
+                    // SAFETY: AVX-512 F/BW/VL and AVX2/FMA were checked above.
+                    unsafe { key_batch_avx512(&pairs, &q, &refs[at..end], 0.125, &mut c) };
+                    at = end;
+                    size = size % KEY_BATCH + 1;
+                }
+                assert!(bits(&c, d) == want, "AVX-512, heads {heads}, width {d}");
+            }
+        }
+    }
+
+    /// `SparseAttention::run` at every level this CPU has gives the portable run's bits, over
+    /// quantized keys (decoded into the scratch rows) and decoded ones, for key counts that
+    /// fill the AVX-512 batches or leave a partial one.
+    #[test]
+    fn every_level_runs_to_the_portable_bits() {
+        let levels = crate::level::available_levels();
+        if !levels.contains(&SimdLevel::Avx512) {
+            eprintln!("skipped the AVX-512 run: this CPU lacks AVX-512 F/BW/VL");
+        }
+        let mut next = rng(0x9e37_79b9);
+        for (heads, d) in [(4usize, 512usize), (3, 64), (2, 64)] {
+            let shape = AttentionShape::new(heads, d).unwrap();
+            let (wc, ec) = (shape.window_codec(), shape.compressed_codec());
+            let x: Vec<f32> = (0..40 * d).map(|_| next()).collect();
+            let mut wrows = vec![0u8; 20 * wc.bytes()];
+            let mut erows = vec![0u8; 20 * ec.bytes()];
+            wc.quantize(&x[..20 * d], &mut wrows).unwrap();
+            ec.quantize(&x[20 * d..], &mut erows).unwrap();
+            let q: Vec<f32> = (0..heads * d).map(|_| next()).collect();
+            let sinks: Vec<f32> = (0..heads).map(|_| next()).collect();
+            for n in [0usize, 1, 3, 4, 5, 11, 40] {
+                let quantized: Vec<KeyRow<'_>> = wrows
+                    .chunks_exact(wc.bytes())
+                    .map(KeyRow::Window)
+                    .chain(erows.chunks_exact(ec.bytes()).map(KeyRow::Compressed))
+                    .take(n)
+                    .collect();
+                let decoded: Vec<KeyRow<'_>> =
+                    x[..n * d].chunks_exact(d).map(KeyRow::Decoded).collect();
+                for keys in [&quantized, &decoded] {
+                    let mut want = vec![0f32; heads * d];
+                    SparseAttention::with_level(shape, SimdLevel::Portable)
+                        .unwrap()
+                        .run(&q, &sinks, keys.iter().copied(), &mut want)
+                        .unwrap();
+                    for &level in &levels {
+                        let mut got = vec![1f32; heads * d];
+                        let mut attn = SparseAttention::with_level(shape, level).unwrap();
+                        assert_eq!(attn.level(), level);
+                        // Twice: the buffers are reused.
+                        for _ in 0..2 {
+                            attn.run(&q, &sinks, keys.iter().copied(), &mut got)
+                                .unwrap();
+                            let same = got
+                                .iter()
+                                .zip(&want)
+                                .all(|(a, b)| a.to_bits() == b.to_bits());
+                            assert!(same, "{level}, heads {heads}, width {d}, {n} keys");
+                        }
+                    }
                 }
             }
-            for (h, (x, y)) in a.iter().zip(&b).enumerate() {
-                let (mut ox, mut oy) = (vec![0f32; d], vec![0f32; d]);
-                x.finish(&mut ox).unwrap();
-                y.finish(&mut oy).unwrap();
-                let same = ox.iter().zip(&oy).all(|(p, q)| p.to_bits() == q.to_bits());
-                assert!(same, "heads {heads}, width {d}: head {h} differs");
+            // A decoded row of the wrong width is an error naming it, at every level.
+            for &level in &levels {
+                let mut attn = SparseAttention::with_level(shape, level).unwrap();
+                let short = vec![0f32; d - 1];
+                let mut out = vec![0f32; heads * d];
+                let keys = [KeyRow::Decoded(&x[..d]), KeyRow::Decoded(&short)];
+                let err = attn.run(&q, &sinks, keys, &mut out).unwrap_err();
+                assert!(
+                    err.to_string().contains("decoded key row"),
+                    "{level}: {err}"
+                );
             }
         }
     }

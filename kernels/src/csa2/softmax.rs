@@ -28,6 +28,17 @@ pub fn softmax_with_sink_ref(logits: &[f32], sink: f32, out: &mut [f32]) -> Resu
     Ok(())
 }
 
+/// What one [`OnlineSoftmax::push`] does to each accumulator element `a` with the value `v`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum PushStep {
+    /// A new maximum: `a = a * scale + v` (multiply, then add).
+    Rescale(f32),
+    /// `a = a + e * v` (multiply, then add).
+    Accumulate(f32),
+    /// The weight underflowed to zero (or the key is masked): nothing.
+    Skip,
+}
+
 /// Streaming softmax-weighted sum of value rows, started from the sink column.
 #[derive(Clone, Debug)]
 pub struct OnlineSoftmax {
@@ -58,23 +69,46 @@ impl OnlineSoftmax {
     /// A `-inf` logit (a masked key) contributes nothing.
     #[inline(always)]
     pub fn push(&mut self, logit: f32, value: &[f32]) {
+        match self.advance(logit) {
+            PushStep::Rescale(scale) => {
+                for (a, &v) in self.acc.iter_mut().zip(value) {
+                    *a = *a * scale + v;
+                }
+            }
+            PushStep::Accumulate(e) => {
+                for (a, &v) in self.acc.iter_mut().zip(value) {
+                    *a += e * v;
+                }
+            }
+            PushStep::Skip => {}
+        }
+    }
+
+    /// The scalar half of [`OnlineSoftmax::push`]: updates the running maximum and
+    /// denominator for a column with `logit` and says what the push does to each accumulator
+    /// element, so that SIMD kernels can apply several columns' updates in one pass over the
+    /// accumulator (per element the same operations in the same order, so the same bits).
+    #[inline(always)]
+    pub(crate) fn advance(&mut self, logit: f32) -> PushStep {
         if logit > self.max {
             let scale = (self.max - logit).exp();
             self.denom = self.denom * scale + 1.0;
-            for (a, &v) in self.acc.iter_mut().zip(value) {
-                *a = *a * scale + v;
-            }
             self.max = logit;
+            PushStep::Rescale(scale)
         } else {
             let e = (logit - self.max).exp();
             if e == 0.0 {
-                return;
+                return PushStep::Skip;
             }
             self.denom += e;
-            for (a, &v) in self.acc.iter_mut().zip(value) {
-                *a += e * v;
-            }
+            PushStep::Accumulate(e)
         }
+    }
+
+    /// The running weighted sum `Σ_i w_i v_i` (not yet divided by the denominator), for the
+    /// kernels that apply [`OnlineSoftmax::advance`]'s steps themselves.
+    pub(crate) fn acc_mut(&mut self) -> &mut [f32] {
+        &mut self.acc
     }
 
     /// Writes `Σ_i p_i v_i` into `out`.
