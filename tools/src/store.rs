@@ -143,6 +143,13 @@ fn stats(a: &StoreArgs) -> Result<(), CliError> {
             "segments     {} of {} ({} bytes each)",
             s.segments, s.segment_slots, s.segment_bytes
         )?;
+        if let Some(c) = &s.nvme_copies {
+            writeln!(
+                out,
+                "nvme         {} operations zero copy, {} through bounce slots ({} bytes copied)",
+                c.zero_copy_ops, c.bounced_ops, c.bounce_bytes
+            )?;
+        }
         writeln!(out, "units        {}", s.units)?;
         writeln!(
             out,

@@ -23,10 +23,10 @@
 //!
 //! A [`BufferPool`] can be mapped for the controller ([`NvmeShared::map_pool`]): its whole
 //! region goes into the controller's IOMMU domain at an IOVA the driver chooses
-//! ([`crate::nvme::Dma::map_lent`]). An operation whose [`IoBuf`](super::IoBuf) belongs to a
+//! ([`crate::nvme::Dma::map_lent`]). An operation whose [`IoBuf`] belongs to a
 //! mapped pool is **zero copy**: its command's PRPs name the slot's own pages (each 4 KiB
 //! page's IOVA inside the pool's mapping), and the device reads or writes the slot directly.
-//! The [`IoBuf`](super::IoBuf) is owned by the engine from `submit` until `wait` returns it,
+//! The [`IoBuf`] is owned by the engine from `submit` until `wait` returns it,
 //! so no slice of the slot exists while the device may touch it (the pool's DMA contract,
 //! [`super::buffer`]); the queue's fences order the CPU's stores into the slot before the
 //! doorbell and the completion's phase tag before the CPU's loads.

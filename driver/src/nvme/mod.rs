@@ -33,6 +33,8 @@
 //! way to it (docs/nvme.md, "Buffers").
 
 mod controller;
+#[cfg(any(test, feature = "vfio"))]
+mod iova;
 mod queue;
 
 #[cfg(feature = "vfio")]

@@ -19,6 +19,7 @@ use std::sync::{Arc, Mutex};
 use nix::sys::mman::{self, MapFlags, ProtFlags};
 use vfio_ioctls::{VfioContainer, VfioDevice, VfioOps};
 
+use super::iova::{IovaSpace, QUARANTINE_BYTES};
 use super::{Controller, ControllerOptions, Dma, DmaRegion, Registers};
 use crate::Error;
 use crate::blockio::{NvmeNamespace, NvmeOpener, NvmeShared, WeakNvmeShared};
@@ -167,7 +168,8 @@ impl Drop for VfioBar {
 /// Pinned regions mapped into the device's IOMMU domain.
 pub struct VfioDma {
     container: Arc<VfioContainer>,
-    next_iova: u64,
+    /// Where each mapping goes (freed ranges reused only after a quarantine: `super::iova`).
+    iovas: IovaSpace,
     /// Every region mapped, by IOVA: the clone keeps its memory alive while it is mapped.
     mapped: BTreeMap<u64, DmaRegion>,
 }
@@ -175,9 +177,19 @@ pub struct VfioDma {
 impl std::fmt::Debug for VfioDma {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("VfioDma")
-            .field("next_iova", &self.next_iova)
+            .field("iovas", &self.iovas)
             .field("mapped", &self.mapped.len())
             .finish_non_exhaustive()
+    }
+}
+
+impl VfioDma {
+    /// An IOVA range for `len` bytes.
+    fn reserve(&mut self, len: usize) -> Result<u64, Error> {
+        self.iovas.alloc(len as u64).ok_or(Error::Vfio {
+            what: "IOVA space",
+            reason: "exhausted".into(),
+        })
     }
 }
 
@@ -191,16 +203,14 @@ impl Dma for VfioDma {
         };
         let mem = Arc::new(PinnedRegion::new(bytes, opts)?.into_device_shared());
         let (ptr, len) = mem.raw_parts();
-        let iova = self.next_iova;
+        let iova = self.reserve(len)?;
         // SAFETY: the region is device-shared memory that no Rust reference covers (it is
         // reached only through VolatileView), and `mapped` keeps a clone of it until
         // vfio_dma_unmap succeeds, so the memory outlives the IOMMU mapping.
-        unsafe { self.container.vfio_dma_map(iova, len, ptr.as_ptr()) }
-            .map_err(|e| vfio_err("VFIO_IOMMU_MAP_DMA", e))?;
-        self.next_iova = iova.checked_add(len as u64).ok_or(Error::Vfio {
-            what: "IOVA space",
-            reason: "exhausted".into(),
-        })?;
+        if let Err(e) = unsafe { self.container.vfio_dma_map(iova, len, ptr.as_ptr()) } {
+            self.iovas.unreserve(iova, len as u64);
+            return Err(vfio_err("VFIO_IOMMU_MAP_DMA", e));
+        }
         let region = DmaRegion::new(mem, iova);
         self.mapped.insert(iova, region.clone());
         Ok(region)
@@ -211,17 +221,15 @@ impl Dma for VfioDma {
         // page aligned, whole pages, kept alive by the clone in `mapped`). VFIO pins the pages
         // itself; if the pool also mlocked them, both count against RLIMIT_MEMLOCK.
         let (ptr, len) = mem.raw_parts();
-        let iova = self.next_iova;
+        let iova = self.reserve(len)?;
         // SAFETY: the region's bytes are reached by the CPU only through its pool's IoBufs,
         // never while an operation naming them is in flight (LentRegion's contract), so the
         // device's writes alias no Rust reference; `mapped` keeps a clone of the region until
         // vfio_dma_unmap succeeds, so the memory outlives the IOMMU mapping.
-        unsafe { self.container.vfio_dma_map(iova, len, ptr.as_ptr()) }
-            .map_err(|e| vfio_err("VFIO_IOMMU_MAP_DMA of a buffer pool", e))?;
-        self.next_iova = iova.checked_add(len as u64).ok_or(Error::Vfio {
-            what: "IOVA space",
-            reason: "exhausted".into(),
-        })?;
+        if let Err(e) = unsafe { self.container.vfio_dma_map(iova, len, ptr.as_ptr()) } {
+            self.iovas.unreserve(iova, len as u64);
+            return Err(vfio_err("VFIO_IOMMU_MAP_DMA of a buffer pool", e));
+        }
         let region = DmaRegion::lent(mem, iova);
         self.mapped.insert(iova, region.clone());
         Ok(region)
@@ -232,6 +240,7 @@ impl Dma for VfioDma {
         match self.container.vfio_dma_unmap(iova, region.len()) {
             Ok(()) => {
                 self.mapped.remove(&iova);
+                self.iovas.release(iova, region.len() as u64);
             }
             // Still mapped: keep the memory (in `mapped`) rather than free it under the device.
             Err(e) => log::error!("VFIO_IOMMU_UNMAP_DMA at {iova:#x} failed ({e}); memory kept"),
@@ -323,7 +332,7 @@ pub fn open(address: &str) -> Result<(VfioBar, VfioDma), Error> {
     };
     let dma = VfioDma {
         container,
-        next_iova: FIRST_IOVA,
+        iovas: IovaSpace::new(FIRST_IOVA, QUARANTINE_BYTES),
         mapped: BTreeMap::new(),
     };
     Ok((bar, dma))
