@@ -130,7 +130,11 @@ mod tests {
         assert_ne!(b, a);
         // 64 MiB of frees after it: out of the quarantine.
         s.release(b, 8 * MIB);
-        assert_eq!(s.alloc(8 * MIB), Some(a), "the oldest freed range, first fit");
+        assert_eq!(
+            s.alloc(8 * MIB),
+            Some(a),
+            "the oldest freed range, first fit"
+        );
         assert_ne!(keep, a);
     }
 
