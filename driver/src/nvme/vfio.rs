@@ -275,9 +275,20 @@ pub fn open(address: &str) -> Result<(VfioBar, VfioDma), Error> {
     let container =
         Arc::new(VfioContainer::new(None).map_err(|e| vfio_err("opening /dev/vfio/vfio", e))?);
     let ops: Arc<dyn VfioOps> = container.clone();
-    let device = Arc::new(
-        VfioDevice::new(&path, ops, false).map_err(|e| vfio_err("opening the VFIO device", e))?,
-    );
+    let device = Arc::new(VfioDevice::new(&path, ops, false).map_err(|e| {
+        let mut reason = e.to_string();
+        // vfio-ioctls keeps only the text of the errno: EBUSY is the group held elsewhere.
+        if reason.contains("os error 16") {
+            reason.push_str(
+                ": another process holds this device (a VFIO group opens in one process at \
+                     a time; within a process kvstack shares it)",
+            );
+        }
+        Error::Vfio {
+            what: "opening the VFIO device",
+            reason,
+        }
+    })?);
 
     let mut cmd = [0u8; 2];
     device.region_read(CONFIG_REGION, &mut cmd, PCI_COMMAND);
