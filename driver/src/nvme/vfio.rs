@@ -277,11 +277,13 @@ pub fn open(address: &str) -> Result<(VfioBar, VfioDma), Error> {
     let ops: Arc<dyn VfioOps> = container.clone();
     let device = Arc::new(VfioDevice::new(&path, ops, false).map_err(|e| {
         let mut reason = e.to_string();
-        // vfio-ioctls keeps only the text of the errno: EBUSY is the group held elsewhere.
-        if reason.contains("os error 16") {
+        // EBUSY on the group: another process holds it.
+        if matches!(&e, vfio_ioctls::VfioError::OpenGroup(io, _)
+            if io.raw_os_error() == Some(nix::errno::Errno::EBUSY as i32))
+        {
             reason.push_str(
-                ": another process holds this device (a VFIO group opens in one process at \
-                     a time; within a process kvstack shares it)",
+                ": another process holds this device (a VFIO group opens in one process at a \
+                 time; within a process kvstack shares it)",
             );
         }
         Error::Vfio {
