@@ -55,6 +55,7 @@ pub mod par;
 pub mod peak;
 mod portable;
 mod scalar;
+pub mod work;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 

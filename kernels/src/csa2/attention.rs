@@ -36,6 +36,16 @@ pub enum KeyRow<'a> {
     Decoded(&'a [f32]),
 }
 
+impl KeyRow<'_> {
+    /// The bytes of the stored (quantized) row; 0 for a row already decoded.
+    pub fn stored_bytes(&self) -> usize {
+        match self {
+            KeyRow::Window(b) | KeyRow::Compressed(b) => b.len(),
+            KeyRow::Decoded(_) => 0,
+        }
+    }
+}
+
 /// Shapes and codecs of the attention of one layer.
 #[derive(Clone, Copy, Debug)]
 pub struct AttentionShape {
@@ -80,8 +90,11 @@ impl AttentionShape {
 
     /// Decodes a key row to `head_dim` f32 values with the fast codec (what
     /// [`SparseAttention::run`] does for each quantized key).
+    /// The row's stored bytes count as attention cache bytes read ([`crate::work`]).
     pub fn decode_row(&self, key: KeyRow<'_>, out: &mut [f32]) -> Result<(), Error> {
-        self.decode(key, out, false)
+        self.decode(key, out, false)?;
+        crate::work::add_attention_bytes(key.stored_bytes() as u64);
+        Ok(())
     }
 
     fn decode(&self, key: KeyRow<'_>, out: &mut [f32], reference: bool) -> Result<(), Error> {
@@ -167,7 +180,7 @@ pub struct SparseAttention {
 /// chain is fixed by the bit-identity), and each accumulator element is loaded and stored once
 /// for all of them.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-const KEY_BATCH: usize = 4;
+const KEY_BATCH: usize = 8;
 
 /// A key of the batch being gathered: borrowed when already decoded, else in a scratch row.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
@@ -232,6 +245,12 @@ impl SparseAttention {
         for (h, &s) in self.heads.iter_mut().zip(sinks) {
             h.reset(s);
         }
+        // The work, counted once for the call (`crate::work`).
+        let (mut visited, mut stored) = (0u64, 0u64);
+        let keys = keys.into_iter().inspect(|k| {
+            visited += 1;
+            stored += k.stored_bytes() as u64;
+        });
         match self.level.level() {
             #[cfg(target_arch = "x86_64")]
             SimdLevel::Avx512 => self.keys_avx512(q, keys)?,
@@ -263,6 +282,7 @@ impl SparseAttention {
                 }
             }
         }
+        crate::work::add_attention(visited * 2 * (shape.heads * d) as u64, stored);
         for (acc, oh) in self.heads.iter().zip(out.chunks_exact_mut(d.max(1))) {
             acc.finish(oh)?;
         }
@@ -379,7 +399,7 @@ unsafe fn key_step_avx2(q: &[f32], row: &[f32], scale: f32, heads: &mut [OnlineS
 #[target_feature(enable = "avx2,fma")]
 fn dot8x4_avx2(a: &[f32], b: &[f32]) -> [f32; 4] {
     use std::arch::x86_64::{
-        _mm256_add_ps, _mm256_loadu_ps, _mm256_mul_ps, _mm256_setzero_ps, _mm256_storeu_ps,
+        _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_setzero_ps, _mm256_storeu_ps,
     };
     let d = b.len();
     let (bc, br) = b.as_chunks::<8>();
@@ -392,7 +412,7 @@ fn dot8x4_avx2(a: &[f32], b: &[f32]) -> [f32; 4] {
         unsafe {
             let yv = _mm256_loadu_ps(y.as_ptr());
             for (vk, ck) in v.iter_mut().zip(&chunks) {
-                *vk = _mm256_add_ps(*vk, _mm256_mul_ps(_mm256_loadu_ps(ck[c].as_ptr()), yv));
+                *vk = _mm256_fmadd_ps(_mm256_loadu_ps(ck[c].as_ptr()), yv, *vk);
             }
         }
     }
@@ -403,7 +423,7 @@ fn dot8x4_avx2(a: &[f32], b: &[f32]) -> [f32; 4] {
         unsafe { _mm256_storeu_ps(acc.as_mut_ptr(), vk) };
         let mut tail = 0f32;
         for (x, y) in r[bc.len() * 8..].iter().zip(br) {
-            tail += x * y;
+            tail = x.mul_add(*y, tail);
         }
         *o = ((acc[0] + acc[4]) + (acc[1] + acc[5]))
             + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
@@ -419,7 +439,7 @@ fn dot8x4_avx2(a: &[f32], b: &[f32]) -> [f32; 4] {
 #[target_feature(enable = "avx2,fma")]
 fn dot8_avx2(a: &[f32], b: &[f32]) -> f32 {
     use std::arch::x86_64::{
-        _mm256_add_ps, _mm256_loadu_ps, _mm256_mul_ps, _mm256_setzero_ps, _mm256_storeu_ps,
+        _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_setzero_ps, _mm256_storeu_ps,
     };
     let (ac, ar) = a.as_chunks::<8>();
     let (bc, br) = b.as_chunks::<8>();
@@ -427,14 +447,14 @@ fn dot8_avx2(a: &[f32], b: &[f32]) -> f32 {
     for (x, y) in ac.iter().zip(bc) {
         // SAFETY: `x` and `y` are arrays of 8 f32, exactly one unaligned 256-bit load each.
         let (xv, yv) = unsafe { (_mm256_loadu_ps(x.as_ptr()), _mm256_loadu_ps(y.as_ptr())) };
-        v = _mm256_add_ps(v, _mm256_mul_ps(xv, yv));
+        v = _mm256_fmadd_ps(xv, yv, v);
     }
     let mut acc = [0f32; 8];
     // SAFETY: `acc` holds 8 f32, one unaligned 256-bit store.
     unsafe { _mm256_storeu_ps(acc.as_mut_ptr(), v) };
     let mut tail = 0f32;
     for (x, y) in ar.iter().zip(br) {
-        tail += x * y;
+        tail = x.mul_add(*y, tail);
     }
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
 }
@@ -485,7 +505,7 @@ unsafe fn key_batch_avx512(
                 let acc = &lane[half..half + 8];
                 let mut tail = 0f32;
                 for (x, y) in qh[chunks * 8..].iter().zip(&row[chunks * 8..]) {
-                    tail += x * y;
+                    tail = x.mul_add(*y, tail);
                 }
                 let dot = ((acc[0] + acc[4]) + (acc[1] + acc[5]))
                     + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
@@ -500,6 +520,36 @@ unsafe fn key_batch_avx512(
             for ((st, lg), head) in steps.iter_mut().zip(&logits).zip(group.iter_mut()) {
                 st[k] = head.advance(lg[k]);
             }
+        }
+        // The usual case: every key of the batch accumulates in every head of the group.
+        // One pass then updates all the group's accumulators, each row chunk loaded once.
+        if n == KEY_BATCH
+            && group.len() == 4
+            && steps
+                .iter()
+                .all(|st| st.iter().all(|s| matches!(s, PushStep::Accumulate(_))))
+        {
+            let w = steps.map(|st| {
+                st.map(|s| {
+                    if let PushStep::Accumulate(e) = s {
+                        e
+                    } else {
+                        0.0
+                    }
+                })
+            });
+            let [a, b, c, e] = group else {
+                unreachable!("a group of four heads")
+            };
+            let rows8 = [
+                rows[0], rows[1], rows[2], rows[3], rows[4], rows[5], rows[6], rows[7],
+            ];
+            accumulate4_avx512(
+                [a.acc_mut(), b.acc_mut(), c.acc_mut(), e.acc_mut()],
+                w,
+                rows8,
+            );
+            continue;
         }
         for (head, steps) in group.iter_mut().zip(&steps) {
             let rescales = steps.iter().any(|st| matches!(st, PushStep::Rescale(_)));
@@ -520,12 +570,19 @@ unsafe fn key_batch_avx512(
                         m += 1;
                     }
                 }
-                match m {
-                    0 => {}
-                    1 => accumulate_avx512(acc, [w[0]], [r[0]]),
-                    2 => accumulate_avx512(acc, [w[0], w[1]], [r[0], r[1]]),
-                    3 => accumulate_avx512(acc, [w[0], w[1], w[2]], [r[0], r[1], r[2]]),
-                    _ => accumulate_avx512(acc, w, r),
+                // Four keys per pass, in key order (the passes' order is the keys' order).
+                for (w, r) in w[..m].chunks(4).zip(r[..m].chunks(4)) {
+                    match (w, r) {
+                        (&[w0], &[r0]) => accumulate_avx512(acc, [w0], [r0]),
+                        (&[w0, w1], &[r0, r1]) => accumulate_avx512(acc, [w0, w1], [r0, r1]),
+                        (&[w0, w1, w2], &[r0, r1, r2]) => {
+                            accumulate_avx512(acc, [w0, w1, w2], [r0, r1, r2])
+                        }
+                        (&[w0, w1, w2, w3], &[r0, r1, r2, r3]) => {
+                            accumulate_avx512(acc, [w0, w1, w2, w3], [r0, r1, r2, r3])
+                        }
+                        _ => {}
+                    }
                 }
             }
         }
@@ -544,14 +601,19 @@ fn dots_avx512<const P: usize>(qp: [&[f32]; P], rows: &[&[f32]]) -> [[[f32; 16];
             out
         })
     }
-    match rows {
-        [] => [[[0f32; 16]; KEY_BATCH]; P],
-        [a] => pad(dot_pairs_avx512(qp, [*a])),
-        [a, b] => pad(dot_pairs_avx512(qp, [*a, *b])),
-        [a, b, c] => pad(dot_pairs_avx512(qp, [*a, *b, *c])),
-        // (The caller passes at most `KEY_BATCH` rows.)
-        [a, b, c, e, ..] => dot_pairs_avx512(qp, [*a, *b, *c, *e]),
+    macro_rules! sized {
+        ($($n:literal)*) => {
+            match rows.len() {
+                $($n => match <[&[f32]; $n]>::try_from(rows) {
+                    Ok(r) => pad(dot_pairs_avx512(qp, r)),
+                    Err(_) => [[[0f32; 16]; KEY_BATCH]; P],
+                },)*
+                // (The caller passes 1 to `KEY_BATCH` rows.)
+                _ => [[[0f32; 16]; KEY_BATCH]; P],
+            }
+        };
     }
+    sized!(1 2 3 4 5 6 7 8)
 }
 
 /// The 16 lane sums of two heads' [`dot8`] accumulators (lanes 0-7 the pair's first head,
@@ -565,8 +627,8 @@ fn dot_pairs_avx512<const P: usize, const N: usize>(
     rows: [&[f32]; N],
 ) -> [[[f32; 16]; N]; P] {
     use std::arch::x86_64::{
-        __m512, _mm256_loadu_pd, _mm512_add_ps, _mm512_broadcast_f64x4, _mm512_castpd_ps,
-        _mm512_loadu_ps, _mm512_mul_ps, _mm512_setzero_ps, _mm512_storeu_ps,
+        __m512, _mm256_loadu_pd, _mm512_broadcast_f64x4, _mm512_castpd_ps, _mm512_fmadd_ps,
+        _mm512_loadu_ps, _mm512_setzero_ps, _mm512_storeu_ps,
     };
     let chunks = qp.iter().map(|x| x.len() / 16).min().unwrap_or(0);
     // Each pair's and row's whole chunks (a shorter row panics here, before any load);
@@ -587,7 +649,7 @@ fn dot_pairs_avx512<const P: usize, const N: usize>(
                     r.add(c * 8).cast::<f64>(),
                 )));
                 for (vp, x) in v.iter_mut().zip(&xv) {
-                    vp[k] = _mm512_add_ps(vp[k], _mm512_mul_ps(*x, y));
+                    vp[k] = _mm512_fmadd_ps(*x, y, vp[k]);
                 }
             }
         }
@@ -602,15 +664,58 @@ fn dot_pairs_avx512<const P: usize, const N: usize>(
     })
 }
 
+/// [`accumulate_avx512`] of four heads over the same [`KEY_BATCH`] rows (`w[h][k]`: head
+/// `h`'s weight of row `k`): each head's elements see the same fused multiply-adds in the
+/// same key order, and each row chunk is loaded once for the four heads.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+fn accumulate4_avx512(acc: [&mut [f32]; 4], w: [[f32; KEY_BATCH]; 4], rows: [&[f32]; KEY_BATCH]) {
+    use std::arch::x86_64::{_mm512_fmadd_ps, _mm512_loadu_ps, _mm512_set1_ps, _mm512_storeu_ps};
+    let d = acc.iter().map(|a| a.len()).min().unwrap_or(0);
+    let whole = d / 16 * 16;
+    // Every accumulator and row cut to the common width (a shorter row panics here, before
+    // any load); pointers, so that the loop carries no bounds checks.
+    let rp = rows.map(|r| r[..d].as_ptr());
+    let [a0, a1, a2, a3] = acc;
+    let ap = [
+        a0[..d].as_mut_ptr(),
+        a1[..d].as_mut_ptr(),
+        a2[..d].as_mut_ptr(),
+        a3[..d].as_mut_ptr(),
+    ];
+    let wv = w.map(|wh| wh.map(|e| _mm512_set1_ps(e)));
+    for j in (0..whole).step_by(16) {
+        // SAFETY: `j + 16 <= whole <= d`, and every row and accumulator pointer covers `d`
+        // floats (the four accumulators are distinct slices): unaligned 512-bit loads and
+        // stores.
+        unsafe {
+            let r = rp.map(|r| _mm512_loadu_ps(r.add(j)));
+            for (a, wh) in ap.iter().zip(&wv) {
+                let mut x = _mm512_loadu_ps(a.add(j));
+                for (e, rk) in wh.iter().zip(&r) {
+                    x = _mm512_fmadd_ps(*e, *rk, x);
+                }
+                _mm512_storeu_ps(a.add(j), x);
+            }
+        }
+    }
+    for (a, wh) in ap.iter().zip(&w) {
+        for i in whole..d {
+            for (&e, r) in wh.iter().zip(&rows) {
+                // SAFETY: `i < d`: within the accumulator's first `d` floats.
+                unsafe { *a.add(i) = e.mul_add(r[i], *a.add(i)) };
+            }
+        }
+    }
+}
+
 /// `acc[j] = acc[j] + w_k * rows[k][j]` for `k = 0..N` in order (a multiply, then an add, as
 /// [`OnlineSoftmax::push`] does per key), 16 elements at a time, each element loaded and
 /// stored once.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
 fn accumulate_avx512<const N: usize>(acc: &mut [f32], w: [f32; N], rows: [&[f32]; N]) {
-    use std::arch::x86_64::{
-        _mm512_add_ps, _mm512_loadu_ps, _mm512_mul_ps, _mm512_set1_ps, _mm512_storeu_ps,
-    };
+    use std::arch::x86_64::{_mm512_fmadd_ps, _mm512_loadu_ps, _mm512_set1_ps, _mm512_storeu_ps};
     let d = acc.len();
     // Each row cut to the accumulator's width (a shorter row panics here, before any load);
     // pointers, so that the loop carries no bounds checks.
@@ -625,14 +730,14 @@ fn accumulate_avx512<const N: usize>(acc: &mut [f32], w: [f32; N], rows: [&[f32]
         unsafe {
             let mut x = _mm512_loadu_ps(a.as_ptr());
             for (e, r) in wv.iter().zip(&rp) {
-                x = _mm512_add_ps(x, _mm512_mul_ps(*e, _mm512_loadu_ps(r.add(j * 16))));
+                x = _mm512_fmadd_ps(*e, _mm512_loadu_ps(r.add(j * 16)), x);
             }
             _mm512_storeu_ps(a.as_mut_ptr(), x);
         }
     }
     for (i, a) in at.iter_mut().enumerate() {
         for (&e, r) in w.iter().zip(&rows) {
-            *a += e * r[whole + i];
+            *a = e.mul_add(r[whole + i], *a);
         }
     }
 }
@@ -642,9 +747,7 @@ fn accumulate_avx512<const N: usize>(acc: &mut [f32], w: [f32; N], rows: [&[f32]
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
 fn apply_avx512(acc: &mut [f32], step: PushStep, row: &[f32]) {
-    use std::arch::x86_64::{
-        _mm512_add_ps, _mm512_loadu_ps, _mm512_mul_ps, _mm512_set1_ps, _mm512_storeu_ps,
-    };
+    use std::arch::x86_64::{_mm512_fmadd_ps, _mm512_loadu_ps, _mm512_set1_ps, _mm512_storeu_ps};
     let (ac, at) = acc.as_chunks_mut::<16>();
     let (rc, rt) = row[..ac.len() * 16 + at.len()].as_chunks::<16>();
     match step {
@@ -654,12 +757,12 @@ fn apply_avx512(acc: &mut [f32], step: PushStep, row: &[f32]) {
                 // SAFETY: `a` and `r` are arrays of 16 f32: unaligned loads and a store.
                 unsafe {
                     let x = _mm512_loadu_ps(a.as_ptr());
-                    let x = _mm512_add_ps(_mm512_mul_ps(x, sv), _mm512_loadu_ps(r.as_ptr()));
+                    let x = _mm512_fmadd_ps(x, sv, _mm512_loadu_ps(r.as_ptr()));
                     _mm512_storeu_ps(a.as_mut_ptr(), x);
                 }
             }
             for (a, &v) in at.iter_mut().zip(rt) {
-                *a = *a * s + v;
+                *a = a.mul_add(s, v);
             }
         }
         PushStep::Accumulate(e) => accumulate_avx512(acc, [e], [row]),
@@ -675,12 +778,12 @@ fn dot8(a: &[f32], b: &[f32]) -> f32 {
     let (bc, br) = b.as_chunks::<8>();
     for (x, y) in ac.iter().zip(bc) {
         for i in 0..8 {
-            acc[i] += x[i] * y[i];
+            acc[i] = x[i].mul_add(y[i], acc[i]);
         }
     }
     let mut tail = 0f32;
     for (x, y) in ar.iter().zip(br) {
-        tail += x * y;
+        tail = x.mul_add(*y, tail);
     }
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
 }

@@ -72,12 +72,12 @@ impl OnlineSoftmax {
         match self.advance(logit) {
             PushStep::Rescale(scale) => {
                 for (a, &v) in self.acc.iter_mut().zip(value) {
-                    *a = *a * scale + v;
+                    *a = a.mul_add(scale, v);
                 }
             }
             PushStep::Accumulate(e) => {
                 for (a, &v) in self.acc.iter_mut().zip(value) {
-                    *a += e * v;
+                    *a = e.mul_add(v, *a);
                 }
             }
             PushStep::Skip => {}

@@ -60,21 +60,14 @@ pub const KC: usize = 256;
 /// as the f32 GEMM's).
 pub use crate::csa2::gemm::MIN_MACS_PER_THREAD;
 
-/// Multiply-adds and weight bytes of every [`PackedLinear`] product since the process started
-/// (relaxed counters, one update per call): what `kvstack bench runtime` holds a step's time
-/// against (the FMA peak for the multiply-adds, the read stream for the bytes).
-static COUNTERS: [std::sync::atomic::AtomicU64; 2] = [
-    std::sync::atomic::AtomicU64::new(0),
-    std::sync::atomic::AtomicU64::new(0),
-];
-
-/// The work counted so far: (multiply-adds, weight bytes read).
+/// The linear products' work counted so far: (multiply-adds, weight bytes read); the linear
+/// half of [`crate::work::Work`].
 ///
 /// Bytes count each product's weight panels once: what a product must read at least (a
 /// product of more than 4 rows reads them again per group of rows, mostly from cache).
 pub fn work_counters() -> (u64, u64) {
-    use std::sync::atomic::Ordering::Relaxed;
-    (COUNTERS[0].load(Relaxed), COUNTERS[1].load(Relaxed))
+    let w = crate::work::Work::now();
+    (w.linear_macs, w.weight_bytes)
 }
 
 /// The storage format of a [`PackedLinear`]'s weights.
@@ -466,11 +459,12 @@ impl PackedLinear {
         ldo: usize,
     ) {
         {
-            use std::sync::atomic::Ordering::Relaxed;
             let cols = ((panels.end * PANEL).min(self.n)).saturating_sub(panels.start * PANEL);
             let per_panel = self.resident_bytes() / self.panels.max(1);
-            COUNTERS[0].fetch_add((m * cols * self.k) as u64, Relaxed);
-            COUNTERS[1].fetch_add((panels.len() * per_panel) as u64, Relaxed);
+            crate::work::add_linear(
+                (m * cols * self.k) as u64,
+                (panels.len() * per_panel) as u64,
+            );
         }
         let fast = f16c();
         match level.level() {

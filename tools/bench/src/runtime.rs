@@ -12,9 +12,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvstack_kernels::linear::work_counters;
 use kvstack_kernels::model::{Sampling, argmax};
 use kvstack_kernels::peak::Peaks;
+use kvstack_kernels::work::Work;
 use serde::Serialize;
 
 use kvstack_cache::CacheOptions;
@@ -178,18 +178,26 @@ pub struct DecodeLimit {
     pub tokens_per_s: f64,
     /// Weight bytes the linear products read per step (each product's weights once).
     pub weight_bytes_per_step: f64,
+    /// Cache bytes read per step, as stored: the attention's window rows and selected
+    /// entries, and the index keys the indexer scans.
+    pub cache_bytes_per_step: f64,
     /// FLOPs of the linear products per step (2 per multiply-add).
     pub linear_flops_per_step: f64,
-    /// Tokens/s if the step took only the binding time: its weight bytes at the read stream,
-    /// or its linear FLOPs at the FMA peak, whichever is longer.
+    /// FLOPs of the sparse attention per step (logits and `P · V`, 2 per multiply-add).
+    pub attention_flops_per_step: f64,
+    /// 8-bit multiply-adds of the indexer scans per step.
+    pub index_macs_per_step: f64,
+    /// Tokens/s if the step took only the binding time: its weight and cache bytes at the
+    /// read stream, or its f32 FLOPs at the FMA peak plus its index multiply-adds at the 8-bit
+    /// peak, whichever is longer.
     pub limit_tokens_per_s: f64,
-    /// Which one binds: `memory` or `fma`.
+    /// Which one binds: `memory` or `fma` (the compute peaks).
     pub bound: &'static str,
     /// `tokens_per_s / limit_tokens_per_s`.
     pub ratio: f64,
 }
 
-/// Prefill of one prompt against the FMA peak (one thread).
+/// Prefill of one prompt against the compute peaks (one thread, or the TTFT run's threads).
 #[derive(Clone, Debug, Serialize)]
 pub struct PrefillLimit {
     /// Prompt tokens.
@@ -198,21 +206,33 @@ pub struct PrefillLimit {
     pub tokens_per_s: f64,
     /// Linear FLOPs per token.
     pub linear_flops_per_token: f64,
-    /// Linear FLOPs per second over the FMA peak.
+    /// Sparse attention FLOPs per token.
+    pub attention_flops_per_token: f64,
+    /// Indexer 8-bit multiply-adds per token.
+    pub index_macs_per_token: f64,
+    /// The time the prefill would take at the peaks (its f32 FLOPs at the FMA peak, its index
+    /// multiply-adds at the 8-bit peak) over the time it took: the fraction of the peaks
+    /// reached.
     pub ratio: f64,
 }
 
 /// The runtime against the machine's ceilings, all on one thread and in the same run.
 ///
-/// Only the linear products' work is counted (`kvstack_kernels::linear::work_counters`):
-/// attention, norms and HC also read cache bytes and spend FLOPs, so the true limits are
-/// lower and the ratios here are lower bounds of the true ones.
+/// The work is what the kernels count (`kvstack_kernels::work`): linear products, sparse
+/// attention and the indexer scans, their multiply-adds and the weight and cache bytes they
+/// read. Norms, rotations, hyper-connections, the router and the softmax exponentials are not
+/// counted (a few percent of a step), so the limits are slightly above the true ones and the
+/// ratios slightly below.
 #[derive(Clone, Debug, Serialize)]
 pub struct LimitsReport {
     /// Read stream of one thread over 512 MiB, GB/s (best of 3).
     pub read_gb_s: f64,
     /// FMA peak of one thread, GFLOP/s (best of 20).
     pub fma_gflop_s: f64,
+    /// 8-bit multiply-add peak of one thread with the indexer's instruction, G/s (best of
+    /// 20; 0 where the level has no integer kernel, and the index work is then held to the
+    /// FMA peak).
+    pub int8_gmac_s: f64,
     /// Weight bytes resident with the weights as stored.
     pub weights_resident_bytes: u64,
     /// The same weights as f32.
@@ -291,20 +311,24 @@ impl std::fmt::Display for RuntimeReport {
         if let Some(l) = &self.limits {
             writeln!(
                 f,
-                "ceilings (1 thread, this run): read stream {:.1} GB/s, FMA {:.1} GFLOP/s; weights {:.1} MB resident as stored (f32: {:.1} MB)",
+                "ceilings (1 thread, this run): read stream {:.1} GB/s, FMA {:.1} GFLOP/s, 8-bit multiply-add {:.1} G/s; weights {:.1} MB resident as stored (f32: {:.1} MB)",
                 l.read_gb_s,
                 l.fma_gflop_s,
+                l.int8_gmac_s,
                 l.weights_resident_bytes as f64 / 1e6,
                 l.weights_f32_bytes as f64 / 1e6
             )?;
             for d in &l.decode {
                 writeln!(
                     f,
-                    "  decode, batch {}: {:.1} tokens/s; per step {:.1} MB of weights, {:.2} GFLOP of linears; limit ({} bound) {:.1} tokens/s: {:.2} of it (target >= {DECODE_LIMIT_TARGET}; a lower bound: attention, norms and cache bytes are not counted)",
+                    "  decode, batch {}: {:.1} tokens/s; per step {:.1} MB of weights + {:.1} MB of cache, {:.3} GFLOP of linears + {:.3} of attention + {:.3} G index multiply-adds; limit ({} bound) {:.1} tokens/s: {:.2} of it (target >= {DECODE_LIMIT_TARGET})",
                     d.batch,
                     d.tokens_per_s,
                     d.weight_bytes_per_step / 1e6,
+                    d.cache_bytes_per_step / 1e6,
                     d.linear_flops_per_step / 1e9,
+                    d.attention_flops_per_step / 1e9,
+                    d.index_macs_per_step / 1e9,
                     d.bound,
                     d.limit_tokens_per_s,
                     d.ratio
@@ -318,10 +342,12 @@ impl std::fmt::Display for RuntimeReport {
             for p in &l.prefill {
                 writeln!(
                     f,
-                    "  prefill, {} tokens: {:.1} tokens/s, {:.1} MFLOP of linears per token: {:.2} of the FMA peak (target >= {PREFILL_PEAK_TARGET}; linears only)",
+                    "  prefill, {} tokens: {:.1} tokens/s; per token {:.1} MFLOP of linears + {:.1} of attention + {:.1} M index multiply-adds: {:.2} of the peaks (target >= {PREFILL_PEAK_TARGET})",
                     p.tokens,
                     p.tokens_per_s,
                     p.linear_flops_per_token / 1e6,
+                    p.attention_flops_per_token / 1e6,
+                    p.index_macs_per_token / 1e6,
                     p.ratio
                 )?;
             }
@@ -479,7 +505,7 @@ pub fn run_runtime_bench(
     let result = ttft_runs(o, &cfg, &model, &full, cached, &dir, &mut progress);
     let _ = kvstack_tiers::store::remove_directory_store(&dir);
     let _ = std::fs::remove_dir(&dir);
-    let (scratch, runs, io_engine, scratch_macs) = result?;
+    let (scratch, runs, io_engine, scratch_work) = result?;
 
     let ced = if o.ced_tokens > 0 {
         progress(&format!("CED vs exact prefill of {} tokens", o.ced_tokens));
@@ -494,12 +520,8 @@ pub fn run_runtime_bench(
         progress("decode and prefill against the machine's ceilings (1 thread)");
         let mut l = limits(o, &cfg)?;
         let secs = scratch.ttft.as_secs_f64().max(1e-9);
-        l.prefill.push(PrefillLimit {
-            tokens: n,
-            tokens_per_s: n as f64 / secs,
-            linear_flops_per_token: 2.0 * scratch_macs as f64 / n as f64,
-            ratio: 2.0 * scratch_macs as f64 / secs / (l.fma_gflop_s * 1e9 * threads as f64),
-        });
+        l.prefill
+            .push(prefill_limit(&l, n, secs, &scratch_work, threads));
         Some(l)
     } else {
         None
@@ -536,7 +558,7 @@ pub fn run_runtime_bench(
         }
         for p in l.prefill.iter().filter(|p| p.ratio < PREFILL_PEAK_TARGET) {
             failures.push(format!(
-                "prefill of {} tokens: {:.2} of the FMA peak (target >= {PREFILL_PEAK_TARGET})",
+                "prefill of {} tokens: {:.2} of the peaks (target >= {PREFILL_PEAK_TARGET})",
                 p.tokens, p.ratio
             ));
         }
@@ -570,8 +592,8 @@ fn best_of(n: usize, mut f: impl FnMut()) -> f64 {
 }
 
 /// Decode of `batch` sequences (128-token prompts) for `o.decode_tokens` steps on one thread:
-/// (tokens/s, weight bytes per step, linear FLOPs per step).
-fn decode_run(model: &Model, o: &RuntimeBenchOptions, batch: usize) -> Result<(f64, f64, f64)> {
+/// (tokens/s, the work of all the steps).
+fn decode_run(model: &Model, o: &RuntimeBenchOptions, batch: usize) -> Result<(f64, Work)> {
     let vocab = model.dims().vocab;
     let mut stores: Vec<_> = (0..batch).map(|_| model.new_store(None)).collect();
     let mut last = Vec::with_capacity(batch);
@@ -581,7 +603,7 @@ fn decode_run(model: &Model, o: &RuntimeBenchOptions, batch: usize) -> Result<(f
         last.push(argmax(&l).unwrap_or(0) as u32);
     }
     let steps = o.decode_tokens.max(1);
-    let (m0, b0) = work_counters();
+    let w0 = Work::now();
     let t = Instant::now();
     for _ in 0..steps {
         let toks: Vec<[u32; 1]> = last.iter().map(|&t| [t]).collect();
@@ -599,13 +621,41 @@ fn decode_run(model: &Model, o: &RuntimeBenchOptions, batch: usize) -> Result<(f
         last = outs.iter().map(|l| argmax(l).unwrap_or(0) as u32).collect();
     }
     let secs = t.elapsed().as_secs_f64().max(1e-9);
-    let (m1, b1) = work_counters();
-    let s = steps as f64;
-    Ok((
-        (steps * batch) as f64 / secs,
-        (b1 - b0) as f64 / s,
-        2.0 * (m1 - m0) as f64 / s,
-    ))
+    Ok(((steps * batch) as f64 / secs, Work::now().since(&w0)))
+}
+
+/// Seconds `w` takes at the peaks: its f32 FLOPs at the FMA peak (FLOP/s) and its index
+/// multiply-adds at the 8-bit peak (multiply-adds/s; at the FMA peak's multiply-add rate
+/// where there is no integer kernel).
+fn compute_secs(w: &Work, fma_flop_s: f64, int8_mac_s: f64) -> f64 {
+    let int8 = if int8_mac_s > 0.0 {
+        int8_mac_s
+    } else {
+        fma_flop_s / 2.0
+    };
+    w.f32_flops() / fma_flop_s + w.index_macs as f64 / int8
+}
+
+/// A prefill of `tokens` in `secs` that did `w` on `threads` threads, against the peaks of
+/// `l` (one thread's, times `threads`).
+fn prefill_limit(
+    l: &LimitsReport,
+    tokens: usize,
+    secs: f64,
+    w: &Work,
+    threads: usize,
+) -> PrefillLimit {
+    let t = threads.max(1) as f64;
+    let n = tokens.max(1) as f64;
+    let ideal = compute_secs(w, l.fma_gflop_s * 1e9 * t, l.int8_gmac_s * 1e9 * t);
+    PrefillLimit {
+        tokens,
+        tokens_per_s: tokens as f64 / secs,
+        linear_flops_per_token: 2.0 * w.linear_macs as f64 / n,
+        attention_flops_per_token: 2.0 * w.attention_macs as f64 / n,
+        index_macs_per_token: w.index_macs as f64 / n,
+        ratio: ideal / secs,
+    }
 }
 
 /// The ceilings, then decode at batch 1 and 4 and prefill of `o.prefill_tokens`, one thread.
@@ -622,19 +672,35 @@ fn limits(o: &RuntimeBenchOptions, cfg: &ModelConfig) -> Result<LimitsReport> {
         / best_of(20, || {
             std::hint::black_box(peaks.fma(std::hint::black_box(iters), 0.5));
         });
+    let int8_peak = match peaks.int8_kernel() {
+        Some(k) => {
+            (k.macs_per_iter() * iters) as f64
+                / best_of(20, || {
+                    std::hint::black_box(peaks.int8(std::hint::black_box(iters), 3));
+                })
+        }
+        None => 0.0,
+    };
     let mut model = random_model(cfg, o.seed)?;
     model.set_threads(1);
     let wb = model.weight_bytes();
     let mut decode = Vec::new();
     for batch in [1, 4] {
-        let (tps, bytes, flops) = decode_run(&model, o, batch)?;
-        let (t_mem, t_fma) = (bytes / read_bw, flops / fma_peak);
+        let (tps, w) = decode_run(&model, o, batch)?;
+        let steps = o.decode_tokens.max(1) as f64;
+        let (t_mem, t_fma) = (
+            w.bytes() / read_bw / steps,
+            compute_secs(&w, fma_peak, int8_peak) / steps,
+        );
         let limit = batch as f64 / t_mem.max(t_fma).max(1e-12);
         decode.push(DecodeLimit {
             batch,
             tokens_per_s: tps,
-            weight_bytes_per_step: bytes,
-            linear_flops_per_step: flops,
+            weight_bytes_per_step: w.weight_bytes as f64 / steps,
+            cache_bytes_per_step: (w.attention_bytes + w.index_bytes) as f64 / steps,
+            linear_flops_per_step: 2.0 * w.linear_macs as f64 / steps,
+            attention_flops_per_step: 2.0 * w.attention_macs as f64 / steps,
+            index_macs_per_step: w.index_macs as f64 / steps,
             limit_tokens_per_s: limit,
             bound: if t_mem >= t_fma { "memory" } else { "fma" },
             ratio: tps / limit,
@@ -642,34 +708,31 @@ fn limits(o: &RuntimeBenchOptions, cfg: &ModelConfig) -> Result<LimitsReport> {
     }
     let mut f32_model = kvstack_model::init::random_model_with(cfg, o.seed, WeightPrecision::F32)?;
     f32_model.set_threads(1);
-    let (f32_tps, _, _) = decode_run(&f32_model, o, 1)?;
+    let (f32_tps, _) = decode_run(&f32_model, o, 1)?;
     drop(f32_model);
     let prompt = tokens(o.seed, 60, o.prefill_tokens.max(1), model.dims().vocab);
     let mut st = model.new_store(None);
-    let (m0, _) = work_counters();
+    let w0 = Work::now();
     let t = Instant::now();
     model.prefill(&mut st, &prompt, PrefillMode::Exact, o.chunk)?;
     let secs = t.elapsed().as_secs_f64().max(1e-9);
-    let flops = 2.0 * (work_counters().0 - m0) as f64;
-    Ok(LimitsReport {
+    let w = Work::now().since(&w0);
+    let mut l = LimitsReport {
         read_gb_s: read_bw / 1e9,
         fma_gflop_s: fma_peak / 1e9,
+        int8_gmac_s: int8_peak / 1e9,
         weights_resident_bytes: wb.resident,
         weights_f32_bytes: wb.f32,
         decode,
         decode_f32_weights_tokens_per_s: f32_tps,
-        prefill: vec![PrefillLimit {
-            tokens: prompt.len(),
-            tokens_per_s: prompt.len() as f64 / secs,
-            linear_flops_per_token: flops / prompt.len() as f64,
-            ratio: flops / secs / fma_peak,
-        }],
-    })
+        prefill: Vec::new(),
+    };
+    l.prefill.push(prefill_limit(&l, prompt.len(), secs, &w, 1));
+    Ok(l)
 }
 
-/// The scratch run, the cached runs, the I/O engine, and the scratch run's linear
-/// multiply-adds.
-type TtftResult = (Completion, Vec<TtftRun>, String, u64);
+/// The scratch run, the cached runs, the I/O engine, and the scratch run's work.
+type TtftResult = (Completion, Vec<TtftRun>, String, Work);
 
 fn ttft_runs(
     o: &RuntimeBenchOptions,
@@ -683,9 +746,9 @@ fn ttft_runs(
     let n = full.len();
     progress(&format!("{n}-token prompt computed from scratch"));
     let mut e = Engine::new(cfg, model.clone(), None, engine_opts(o, false))?;
-    let (macs0, _) = work_counters();
+    let w0 = Work::now();
     let scratch = one(&mut e, full.to_vec(), 1)?;
-    let scratch_macs = work_counters().0 - macs0;
+    let scratch_work = Work::now().since(&w0);
     drop(e);
     let want = scratch.first_logits.clone().unwrap_or_default();
 
@@ -734,7 +797,7 @@ fn ttft_runs(
     if let Some(t) = tiers {
         t.close()?;
     }
-    Ok((scratch, runs, io_engine, scratch_macs))
+    Ok((scratch, runs, io_engine, scratch_work))
 }
 
 fn ced_vs_exact(model: &Model, prompt: &[u32]) -> Result<CedReport> {

@@ -457,6 +457,12 @@ pub(crate) fn scan(
     }
     let (scored, rest) = out.split_at_mut(visible);
     rest.fill(f32::NEG_INFINITY);
+    crate::work::add_index(
+        visible as u64,
+        INDEX_HEADS as u64,
+        INDEX_DIM as u64,
+        IndexMxfp4Entry::BYTES as u64,
+    );
     let t = thread_count(threads).min(visible.div_ceil(MIN_KEYS_PER_THREAD).max(1));
     let chunk = share_chunk(visible, t);
     #[cfg(target_arch = "x86_64")]
@@ -561,6 +567,16 @@ pub(crate) fn gather(
             len: keys.len(),
         });
     }
+    let scored = positions
+        .iter()
+        .filter(|&&p| usize::try_from(p).is_ok_and(|p| p < visible))
+        .count();
+    crate::work::add_index(
+        scored as u64,
+        INDEX_HEADS as u64,
+        INDEX_DIM as u64,
+        IndexMxfp4Entry::BYTES as u64,
+    );
     let t = thread_count(threads).min(positions.len().div_ceil(MIN_KEYS_PER_THREAD).max(1));
     let chunk = share_chunk(positions.len(), t);
     #[cfg(target_arch = "x86_64")]

@@ -155,6 +155,14 @@ pub(crate) fn decode(
         });
     }
     let rows = gather_rows(input)?;
+    let stored: usize = rows
+        .iter()
+        .map(|r| match r {
+            KvRow::Fp8(_) => std::mem::size_of::<WindowFp8Entry>(),
+            KvRow::Fp4(_) => std::mem::size_of::<GlobalFp4Entry>(),
+        })
+        .sum();
+    crate::work::add_attention((2 * rows.len() * heads * HEAD_DIM) as u64, stored as u64);
     let plan = Split::new(heads, rows.len(), thread_count(threads));
     // Head groups run as tasks of `run_tasks` (the first on this thread, the others on the
     // worker pool, see `thread_count`); a task's panic (a bug) is passed on.

@@ -1012,6 +1012,12 @@ impl Csa2Attention {
             )
             .map_err(Error::kernel(layer, "index query"))?;
             let visible = (Self::visible(spec.compress_ratio, t) as usize).min(width);
+            kvstack_kernels::work::add_index(
+                visible as u64,
+                d.index_heads as u64,
+                codec.dim() as u64,
+                codec.bytes() as u64,
+            );
             for (j, s) in scores[i * width..i * width + visible]
                 .iter_mut()
                 .enumerate()
