@@ -13,12 +13,16 @@
 //!   weighted sum of values, so nothing is materialized beyond one row. Its results differ
 //!   from the reference by rounding only (summation order of the dots and of `P · V`), and
 //!   are the same bits at every SIMD level: the AVX2 loop runs four heads at once, the AVX-512
-//!   one two heads per vector over batches of keys, each with the portable loop's multiplies
-//!   and adds per element in the same order (no FMA), which prefill == decode relies on.
+//!   one two heads per vector over batches of keys, each with the portable loop's fused
+//!   multiply-adds per element in the same order (`f32::mul_add` there, exact on every CPU)
+//!   and the softmax's exponentials by [`super::softmax::exp_nonpositive`] (its vector form
+//!   on AVX-512), so prefill, decode and every level agree bit for bit.
 
 use kvstack_firmware_interface::EntryFormat;
 
 use super::quant::RowCodec;
+#[cfg(target_arch = "x86_64")]
+use super::softmax::{EXP_FLOOR, EXP_POLY, LN2_HI, LN2_LO};
 use super::softmax::{OnlineSoftmax, PushStep, softmax_with_sink_ref};
 use super::{Error, check_len};
 use crate::level::{SimdLevel, Verified};
@@ -366,8 +370,8 @@ fn key_step(q: &[f32], row: &[f32], scale: f32, heads: &mut [OnlineSoftmax]) {
 }
 
 /// [`key_step`] compiled for AVX2: the same operations in the same order on wider vectors
-/// (Rust never fuses a multiply and an add on its own), so the results are bit-identical to
-/// the baseline build's.
+/// (the fused multiply-adds are `mul_add`'s, the exponential [`OnlineSoftmax::push`]'s), so
+/// the results are bit-identical to the baseline build's.
 ///
 /// # Safety
 /// The CPU must support AVX2 and FMA.
@@ -433,8 +437,8 @@ fn dot8x4_avx2(a: &[f32], b: &[f32]) -> [f32; 4] {
 }
 
 /// [`dot8`] with AVX2 intrinsics: lane `i` of the accumulator is `dot8`'s `acc[i]`, updated
-/// with a separate multiply and add (no FMA) in the same order, and reduced the same way, so
-/// the result is bit-identical.
+/// with the same fused multiply-adds in the same order, and reduced the same way, so the
+/// result is bit-identical.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 fn dot8_avx2(a: &[f32], b: &[f32]) -> f32 {
@@ -463,11 +467,14 @@ fn dot8_avx2(a: &[f32], b: &[f32]) -> f32 {
 /// the same operations as [`key_step`] on each key in turn, on wider vectors.
 ///
 /// - Dots: two heads share a 512-bit accumulator (lanes 0-7 head `a`, 8-15 head `b`; the row
-///   chunk is broadcast to both halves), so each lane is [`dot8`]'s lane: the same products
-///   added in the same order, reduced the same way with the same scalar tail. The keys' dots
-///   are independent, so a batch runs several add chains at once.
-/// - Pushes: per head, [`OnlineSoftmax::advance`] in key order (the scalar part), then one pass
-///   over the accumulator applying the keys' element updates in key order, 16 elements wide.
+///   chunk is broadcast to both halves), so each lane is [`dot8`]'s lane: the same fused
+///   multiply-adds in the same order, reduced the same way with the same scalar tail. The
+///   keys' dots are independent, so a batch runs 16 chains at once.
+/// - Pushes: per head, the running maximum through the batch gives every exponential's
+///   argument; the exponentials of the group's batch in two vectors ([`exp_batch_avx512`]);
+///   then [`OnlineSoftmax::advance_with`] in key order (the scalar part), and one pass over the
+///   accumulators applying the keys' element updates in key order, 16 elements wide (the four
+///   heads of a group together when every key accumulates in each).
 ///
 /// # Safety
 /// The CPU must support AVX-512 F, AVX2 and FMA.
@@ -513,12 +520,32 @@ unsafe fn key_batch_avx512(
                 *l = dot * scale;
             }
         }
-        // The scalar steps key by key, the group's heads side by side: each head's chain
-        // (compare, `exp`, denominator) stays in key order, and the heads' chains overlap.
+        // The scalar steps key by key: first each head's running maximum through the batch
+        // and so every exponential's argument, then the exponentials of the whole group and
+        // batch at once (two vectors, the same bits as `exp_nonpositive`), then each head's
+        // denominator and steps in key order.
+        let mut args = [[0f32; KEY_BATCH]; 4];
+        let mut new_max = [[false; KEY_BATCH]; 4];
+        for (((a, nm), lg), head) in args
+            .iter_mut()
+            .zip(new_max.iter_mut())
+            .zip(&logits)
+            .zip(group.iter())
+        {
+            let mut m = head.max();
+            for k in 0..n {
+                if lg[k] > m {
+                    (a[k], nm[k], m) = (m - lg[k], true, lg[k]);
+                } else {
+                    a[k] = lg[k] - m;
+                }
+            }
+        }
+        let exps = exp_batch_avx512(&args);
         let mut steps = [[PushStep::Skip; KEY_BATCH]; 4];
         for k in 0..n {
-            for ((st, lg), head) in steps.iter_mut().zip(&logits).zip(group.iter_mut()) {
-                st[k] = head.advance(lg[k]);
+            for (h, (st, head)) in steps.iter_mut().zip(group.iter_mut()).enumerate() {
+                st[k] = head.advance_with(logits[h][k], new_max[h][k], exps[h][k]);
             }
         }
         // The usual case: every key of the batch accumulates in every head of the group.
@@ -589,6 +616,43 @@ unsafe fn key_batch_avx512(
     }
 }
 
+/// [`super::softmax::exp_nonpositive`] of every element, 8 at a time in f64 lanes: the same
+/// IEEE operations in the same order on vectors (round to nearest even, fused multiply-adds,
+/// the exact scaling by `2^n`, one rounding to f32, zero below the floor and for NaN), so the
+/// same bits.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+fn exp_batch_avx512(x: &[[f32; KEY_BATCH]; 4]) -> [[f32; KEY_BATCH]; 4] {
+    use std::arch::x86_64::{
+        _CMP_GE_OQ, _MM_FROUND_NO_EXC, _MM_FROUND_TO_NEAREST_INT, _mm256_loadu_ps,
+        _mm256_storeu_ps, _mm512_cmp_pd_mask, _mm512_cvtpd_ps, _mm512_cvtps_pd, _mm512_fmadd_pd,
+        _mm512_maskz_scalef_pd, _mm512_mul_pd, _mm512_roundscale_pd, _mm512_set1_pd,
+    };
+    let mut out = [[0f32; KEY_BATCH]; 4];
+    let src = x.as_flattened();
+    let dst = out.as_flattened_mut();
+    for (xs, os) in src.chunks_exact(8).zip(dst.chunks_exact_mut(8)) {
+        // SAFETY: `xs` and `os` are 8 f32 each: one unaligned 256-bit load and one store.
+        unsafe {
+            let x = _mm512_cvtps_pd(_mm256_loadu_ps(xs.as_ptr()));
+            let valid = _mm512_cmp_pd_mask::<_CMP_GE_OQ>(x, _mm512_set1_pd(f64::from(EXP_FLOOR)));
+            let n = _mm512_roundscale_pd::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                _mm512_mul_pd(x, _mm512_set1_pd(std::f64::consts::LOG2_E)),
+            );
+            let r = _mm512_fmadd_pd(n, _mm512_set1_pd(-LN2_HI), x);
+            let r = _mm512_fmadd_pd(n, _mm512_set1_pd(-LN2_LO), r);
+            let mut p = _mm512_set1_pd(EXP_POLY[0]);
+            for &c in &EXP_POLY[1..] {
+                p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(c));
+            }
+            // `p · 2^n`, exact for the valid lanes; the others (below the floor, NaN) zero.
+            let e = _mm512_maskz_scalef_pd(valid, p, n);
+            _mm256_storeu_ps(os.as_mut_ptr(), _mm512_cvtpd_ps(e));
+        }
+    }
+    out
+}
+
 /// [`dot_pairs_avx512`] of the `P` pairs with the batch's rows (1 to [`KEY_BATCH`]; lane
 /// sets past the batch are zero, unused).
 #[cfg(target_arch = "x86_64")]
@@ -619,7 +683,7 @@ fn dots_avx512<const P: usize>(qp: [&[f32]; P], rows: &[&[f32]]) -> [[[f32; 16];
 /// The 16 lane sums of two heads' [`dot8`] accumulators (lanes 0-7 the pair's first head,
 /// 8-15 its second) for each of `P` pairs and `N` rows: `qp[p]` is a pair's interleaved
 /// query (16 floats a chunk, [`interleave_pairs`]); lane `i` adds `q[8c+i] * row[8c+i]` for
-/// `c = 0, 1, ...` in order, a separate multiply and add as [`dot8`] does.
+/// `c = 0, 1, ...` in order, one fused multiply-add each as [`dot8`] does.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
 fn dot_pairs_avx512<const P: usize, const N: usize>(
@@ -709,7 +773,7 @@ fn accumulate4_avx512(acc: [&mut [f32]; 4], w: [[f32; KEY_BATCH]; 4], rows: [&[f
     }
 }
 
-/// `acc[j] = acc[j] + w_k * rows[k][j]` for `k = 0..N` in order (a multiply, then an add, as
+/// `acc[j] = w_k * rows[k][j] + acc[j]` for `k = 0..N` in order (fused, as
 /// [`OnlineSoftmax::push`] does per key), 16 elements at a time, each element loaded and
 /// stored once.
 #[cfg(target_arch = "x86_64")]
@@ -886,6 +950,46 @@ mod tests {
     /// `SparseAttention::run` at every level this CPU has gives the portable run's bits, over
     /// quantized keys (decoded into the scratch rows) and decoded ones, for key counts that
     /// fill the AVX-512 batches or leave a partial one.
+    /// The vector exponential against the scalar one, bit for bit: a sweep of the range,
+    /// the floor's neighbourhood, zeros, infinities and NaN.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn vector_exp_is_bit_identical_to_the_scalar_one() {
+        use crate::csa2::softmax::exp_nonpositive;
+        if !SimdLevel::Avx512.is_available() {
+            eprintln!("skipped: this CPU lacks AVX-512 F/BW/VL");
+            return;
+        }
+        let mut xs: Vec<f32> = (0..200_000).map(|i| -(i as f32) * 4.4e-4).collect();
+        xs.extend([
+            0.0,
+            -0.0,
+            EXP_FLOOR,
+            f32::from_bits(EXP_FLOOR.to_bits() + 1),
+            f32::from_bits(EXP_FLOOR.to_bits() - 1),
+            -1e-30,
+            -f32::MIN_POSITIVE,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            -1000.0,
+        ]);
+        let mut checked = 0;
+        for chunk in xs.chunks(4 * KEY_BATCH) {
+            let mut x = [[0f32; KEY_BATCH]; 4];
+            for (d, &v) in x.as_flattened_mut().iter_mut().zip(chunk) {
+                *d = v;
+            }
+            // SAFETY: AVX-512 F/BW/VL (with AVX2 and FMA) was checked above.
+            let got = unsafe { exp_batch_avx512(&x) };
+            for (g, v) in got.as_flattened().iter().zip(x.as_flattened()) {
+                let want = exp_nonpositive(*v);
+                assert_eq!(g.to_bits(), want.to_bits(), "exp({v})");
+                checked += 1;
+            }
+        }
+        assert!(checked >= xs.len());
+    }
+
     #[test]
     fn every_level_runs_to_the_portable_bits() {
         let levels = crate::level::available_levels();

@@ -11,6 +11,58 @@
 
 use super::{Error, check_len};
 
+/// Below this, [`exp_nonpositive`] is 0 (`e^-87` is about `1.6e-38`, near the smallest
+/// normal f32): a weight that small is lost against the running maximum's, which is 1.
+pub(crate) const EXP_FLOOR: f32 = -87.0;
+
+/// `ln 2` split for [`exp_nonpositive`]'s argument reduction (fdlibm's `ln2_hi`, about
+/// 0.6931471803691, whose low 21 bits are zero so that `n · LN2_HI` is exact, and `ln2_lo`,
+/// about 1.9082149e-10).
+pub(crate) const LN2_HI: f64 = f64::from_bits(0x3fe6_2e42_fee0_0000);
+/// `ln 2 - LN2_HI`.
+pub(crate) const LN2_LO: f64 = f64::from_bits(0x3dea_39ef_3579_3c76);
+/// `1/k!` for `k = 10, 9, .., 2`, then `1`, `1`: the Taylor polynomial of `e^r` in Horner
+/// order (truncation below `3e-13` relative for `|r| <= ln 2 / 2`).
+pub(crate) const EXP_POLY: [f64; 11] = [
+    1.0 / 3_628_800.0,
+    1.0 / 362_880.0,
+    1.0 / 40_320.0,
+    1.0 / 5_040.0,
+    1.0 / 720.0,
+    1.0 / 120.0,
+    1.0 / 24.0,
+    1.0 / 6.0,
+    0.5,
+    1.0,
+    1.0,
+];
+
+/// `e^x` for `x <= 0` (0 below -87 and for NaN), the exponential of the fast attention's
+/// softmax, by one fixed sequence of IEEE operations in f64: `n = round_even(x · log2 e)`,
+/// `r = x - n · ln 2` in two fused steps ([`LN2_HI`], [`LN2_LO`]), the degree-10 Taylor
+/// polynomial ([`EXP_POLY`]) in Horner form with fused multiply-adds, times `2^n` (exact),
+/// rounded once to f32. The f64 result is within `1e-12` of `e^x`, so the f32 is the correctly
+/// rounded `e^x` but for values within that distance of a rounding tie (as a good libm
+/// `expf`); unlike a libm, each step is one correctly rounded operation, so the SIMD kernels'
+/// vector form of the same steps gives the same bits on every CPU. `exp_nonpositive(0) == 1`.
+#[inline(always)]
+pub fn exp_nonpositive(x: f32) -> f32 {
+    // Below the floor, and NaN (incomparable), give 0.
+    if x.partial_cmp(&EXP_FLOOR).is_none_or(|o| o.is_lt()) {
+        return 0.0;
+    }
+    let x = f64::from(x);
+    let n = (x * std::f64::consts::LOG2_E).round_ties_even();
+    let r = n.mul_add(-LN2_HI, x);
+    let r = n.mul_add(-LN2_LO, r);
+    let mut p = EXP_POLY[0];
+    for &c in &EXP_POLY[1..] {
+        p = p.mul_add(r, c);
+    }
+    // `x` in [-87, 0]: `n` in [-126, 0], `2^n` a normal f64 and the product exact.
+    (p * f64::from_bits(((n as i64 + 1023) as u64) << 52)) as f32
+}
+
 /// Reference: `out[i] = exp(l_i - m) / (Σ_j exp(l_j - m) + exp(sink - m))` with
 /// `m = max(max_j l_j, sink)`, summing in column order with the sink last.
 pub fn softmax_with_sink_ref(logits: &[f32], sink: f32, out: &mut [f32]) -> Result<(), Error> {
@@ -90,13 +142,39 @@ impl OnlineSoftmax {
     /// accumulator (per element the same operations in the same order, so the same bits).
     #[inline(always)]
     pub(crate) fn advance(&mut self, logit: f32) -> PushStep {
+        let (x, new_max) = self.exp_argument(logit);
+        self.advance_with(logit, new_max, exp_nonpositive(x))
+    }
+
+    /// The argument of the exponential [`OnlineSoftmax::advance`] takes for `logit`
+    /// (`max - logit` for a new maximum, else `logit - max`; never positive), and whether
+    /// `logit` is a new maximum. A kernel computes the exponentials of several keys at once
+    /// from these (the maxima run ahead: [`OnlineSoftmax::max`]) and hands each to
+    /// [`OnlineSoftmax::advance_with`].
+    #[inline(always)]
+    pub(crate) fn exp_argument(&self, logit: f32) -> (f32, bool) {
         if logit > self.max {
-            let scale = (self.max - logit).exp();
-            self.denom = self.denom * scale + 1.0;
-            self.max = logit;
-            PushStep::Rescale(scale)
+            (self.max - logit, true)
         } else {
-            let e = (logit - self.max).exp();
+            (logit - self.max, false)
+        }
+    }
+
+    /// The running maximum (the sink's logit at the start).
+    #[inline(always)]
+    pub(crate) fn max(&self) -> f32 {
+        self.max
+    }
+
+    /// [`OnlineSoftmax::advance`] with its exponential `e = exp_nonpositive(x)` computed by
+    /// the caller (`x`, `new_max` from [`OnlineSoftmax::exp_argument`] in this state).
+    #[inline(always)]
+    pub(crate) fn advance_with(&mut self, logit: f32, new_max: bool, e: f32) -> PushStep {
+        if new_max {
+            self.denom = self.denom * e + 1.0;
+            self.max = logit;
+            PushStep::Rescale(e)
+        } else {
             if e == 0.0 {
                 return PushStep::Skip;
             }
@@ -119,5 +197,39 @@ impl OnlineSoftmax {
             *o = a * inv;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exp_nonpositive_is_the_correctly_rounded_exp() {
+        assert_eq!(exp_nonpositive(0.0).to_bits(), 1f32.to_bits());
+        assert_eq!(exp_nonpositive(-0.0).to_bits(), 1f32.to_bits());
+        assert_eq!(exp_nonpositive(-87.5), 0.0);
+        assert_eq!(exp_nonpositive(f32::NEG_INFINITY), 0.0);
+        assert_eq!(exp_nonpositive(f32::NAN), 0.0);
+        let (mut points, mut off) = (0u32, 0u32);
+        let mut x = 0f32;
+        // About 1.5 million points, denser near 0 where attention weights live; the reference
+        // is f64's `exp` rounded to f32 (itself within an f64 ulp).
+        while x >= EXP_FLOOR {
+            let want = (f64::from(x)).exp() as f32;
+            let got = exp_nonpositive(x);
+            let u = got.to_bits().abs_diff(want.to_bits());
+            assert!(u <= 1, "exp({x}) = {got}, want {want} ({u} ulp)");
+            off += u;
+            points += 1;
+            x -= if x > -1.0 {
+                1.0 / 65_536.0
+            } else {
+                1.0 / 16_384.0
+            };
+        }
+        assert!(points > 1_000_000);
+        // Near-ties only: none expected at this density, a handful tolerated.
+        assert!(off <= points / 100_000, "{off} of {points} off by an ulp");
     }
 }
