@@ -538,7 +538,11 @@ impl PackedLinear {
             return Ok(());
         }
         let mut results: Vec<Result<(), Error>> = Vec::with_capacity(t);
-        if m >= 2 * t {
+        // Rows are split only when every thread gets at least two groups of the kernels' four
+        // rows: each part reads all the weights, so a decode-sized product (a few rows,
+        // bound by the weight stream) splits its panels instead, each thread reading its share
+        // of the weights once.
+        if m >= 8 * t {
             let per = m.div_ceil(t);
             let parts: Vec<(usize, &mut [f32])> = out
                 .chunks_mut(per * n)

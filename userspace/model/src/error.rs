@@ -42,6 +42,11 @@ pub enum Error {
         source: kvstack_kernels::csa2::Error,
     },
 
+    /// A thread running part of a step panicked (a bug); the stores of the sequences it ran
+    /// may hold part of the step.
+    #[error("{0} panicked (a bug)")]
+    Panicked(String),
+
     /// An input of the forward pass is out of range (a token id beyond the vocabulary, an
     /// empty step).
     #[error("{0}")]

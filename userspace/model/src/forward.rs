@@ -84,6 +84,10 @@ pub enum Logits {
     All,
 }
 
+/// Most tokens a member of a [`Model::step_batch`] may have for the step to run its members
+/// in parallel groups (decode, or a few speculative tokens); larger steps split each phase.
+pub const SEQUENCE_PARALLEL_TOKENS: usize = 4;
+
 /// One sequence's part of a batched step ([`Model::step_batch`]).
 pub struct BatchItem<'a> {
     /// Its store.
@@ -854,8 +858,42 @@ impl Model {
     /// One exact step of several sequences together (continuous batching: a decoded token of
     /// each, or prefill chunks beside them); returns each member's requested logits. Each
     /// member's results equal those of [`Model::step`] on it alone.
+    ///
+    /// With several threads and a decode-sized step (every member at most
+    /// [`SEQUENCE_PARALLEL_TOKENS`] tokens), the members are split into one group per thread,
+    /// each group stepped on its own thread (its phases not split again): a decode step's
+    /// phases are too small to split across threads without waiting more than they save, and
+    /// a member's results do not depend on the members beside it, so the bits are the same.
+    /// Each group reads the weights itself, which the step's compute outweighs while it is
+    /// not bound by the weight stream.
     pub fn step_batch(&self, items: &mut [BatchItem<'_>]) -> Result<Vec<Vec<f32>>, Error> {
-        self.run_batch(items, None, 0..self.dims.layers, None)
+        let groups = self.threads.min(items.len());
+        let decode = items
+            .iter()
+            .all(|it| it.tokens.len() <= SEQUENCE_PARALLEL_TOKENS);
+        if groups < 2 || !decode || kvstack_kernels::par::in_task() {
+            return self.run_batch(items, None, 0..self.dims.layers, None);
+        }
+        let per = items.len().div_ceil(groups);
+        let mut results: Vec<Result<Vec<Vec<f32>>, Error>> = Vec::new();
+        results.resize_with(items.len().div_ceil(per), || Ok(Vec::new()));
+        let layers = 0..self.dims.layers;
+        kvstack_kernels::par::run_tasks(items.chunks_mut(per).zip(results.iter_mut()).map(
+            |(group, slot)| {
+                let layers = layers.clone();
+                move || {
+                    *slot = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        self.run_batch(group, None, layers, None)
+                    }))
+                    .unwrap_or_else(|_| Err(Error::Panicked("a sequence group of the step".into())))
+                }
+            },
+        ));
+        let mut outs = Vec::with_capacity(items.len());
+        for r in results {
+            outs.extend(r?);
+        }
+        Ok(outs)
     }
 
     /// One exact step (every layer over every token of `tokens`), committed to `store`;

@@ -96,6 +96,15 @@ where
     // discard (it turns the `None` into an error).
     let run = move |c: usize, part: &mut [T]| catch_unwind(AssertUnwindSafe(|| f(c, part))).ok();
     let chunks: Vec<&mut [T]> = data.chunks_mut(chunk_len.max(1)).collect();
+    // Inside a task that already shares the pool (a group of a sequence-parallel step), the
+    // chunks run here, in order: splitting again only adds waits.
+    if kvstack_kernels::par::in_task() {
+        return chunks
+            .into_iter()
+            .enumerate()
+            .map(|(c, part)| run(c, part))
+            .collect();
+    }
     let mut results: Vec<Option<R>> = (0..chunks.len()).map(|_| None).collect();
     kvstack_kernels::par::run_tasks(
         results
