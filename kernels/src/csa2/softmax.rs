@@ -39,8 +39,8 @@ pub(crate) const EXP_POLY: [f64; 11] = [
 
 /// `e^x` for `x <= 0` (0 below -87 and for NaN), the exponential of the fast attention's
 /// softmax, by one fixed sequence of IEEE operations in f64: `n = round_even(x · log2 e)`,
-/// `r = x - n · ln 2` in two fused steps ([`LN2_HI`], [`LN2_LO`]), the degree-10 Taylor
-/// polynomial ([`EXP_POLY`]) in Horner form with fused multiply-adds, times `2^n` (exact),
+/// `r = x - n · ln 2` in two fused steps (`LN2_HI`, `LN2_LO`), the degree-10 Taylor
+/// polynomial (`EXP_POLY`) in Horner form with fused multiply-adds, times `2^n` (exact),
 /// rounded once to f32. The f64 result is within `1e-12` of `e^x`, so the f32 is the correctly
 /// rounded `e^x` but for values within that distance of a rounding tie (as a good libm
 /// `expf`); unlike a libm, each step is one correctly rounded operation, so the SIMD kernels'

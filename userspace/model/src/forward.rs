@@ -86,7 +86,7 @@ pub enum Logits {
 
 /// Most tokens a member of a [`Model::step_batch`] may have for the step to run its members
 /// in parallel groups (decode, or a few speculative tokens); larger steps split each phase.
-pub const SEQUENCE_PARALLEL_TOKENS: usize = 4;
+pub(crate) const SEQUENCE_PARALLEL_TOKENS: usize = 4;
 
 /// One sequence's part of a batched step ([`Model::step_batch`]).
 pub struct BatchItem<'a> {
@@ -860,7 +860,7 @@ impl Model {
     /// member's results equal those of [`Model::step`] on it alone.
     ///
     /// With several threads and a decode-sized step (every member at most
-    /// [`SEQUENCE_PARALLEL_TOKENS`] tokens), the members are split into one group per thread,
+    /// `SEQUENCE_PARALLEL_TOKENS` tokens), the members are split into one group per thread,
     /// each group stepped on its own thread (its phases not split again): a decode step's
     /// phases are too small to split across threads without waiting more than they save, and
     /// a member's results do not depend on the members beside it, so the bits are the same.
