@@ -257,13 +257,18 @@ impl<'a, E> Paged<'a, E> {
     }
 }
 
-/// Checks a thread count: at least one.
+/// Checks a thread count: at least one, and one inside a task of [`crate::par::run_tasks`]
+/// (the pool is already shared out; the results do not depend on it, see each kernel).
 ///
 /// `threads` is how many chunks the work is cut into: the caller's thread runs the first and
 /// rayon's global pool (one worker per CPU, started once) the others, so a decode step pays a
 /// wake-up of a parked worker, not the start of an OS thread (70-400 us on the VMs measured).
 fn thread_count(threads: usize) -> usize {
-    threads.max(1)
+    if crate::par::in_task() {
+        1
+    } else {
+        threads.max(1)
+    }
 }
 
 /// `level` checked against the CPU, or the detected level.
