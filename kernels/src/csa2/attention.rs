@@ -550,12 +550,14 @@ unsafe fn key_batch_avx512(
         }
         // The usual case: every key of the batch accumulates in every head of the group.
         // One pass then updates all the group's accumulators, each row chunk loaded once.
-        if n == KEY_BATCH
-            && group.len() == 4
-            && steps
-                .iter()
-                .all(|st| st.iter().all(|s| matches!(s, PushStep::Accumulate(_))))
-        {
+        let all_accumulate = steps
+            .iter()
+            .all(|st| st.iter().all(|s| matches!(s, PushStep::Accumulate(_))));
+        if let ([a, b, c, e], Ok(rows8), true) = (
+            &mut *group,
+            <[&[f32]; KEY_BATCH]>::try_from(rows),
+            all_accumulate,
+        ) {
             let w = steps.map(|st| {
                 st.map(|s| {
                     if let PushStep::Accumulate(e) = s {
@@ -565,12 +567,6 @@ unsafe fn key_batch_avx512(
                     }
                 })
             });
-            let [a, b, c, e] = group else {
-                unreachable!("a group of four heads")
-            };
-            let rows8 = [
-                rows[0], rows[1], rows[2], rows[3], rows[4], rows[5], rows[6], rows[7],
-            ];
             accumulate4_avx512(
                 [a.acc_mut(), b.acc_mut(), c.acc_mut(), e.acc_mut()],
                 w,
