@@ -724,17 +724,11 @@ impl Model {
     /// at once; attention per member over its own store), then each member commits. Rows do
     /// not interact, so each member's results are those of running it alone.
     /// With `forced`, block `l` starts from `forced[l]` instead of what block `l - 1` left.
-    fn run_batch(
-        &self,
-        items: &mut [BatchItem<'_>],
-        mut trace: Option<&mut ModelTrace>,
-        layers: Range<usize>,
-        forced: Option<&[ForcedInput]>,
-    ) -> Result<Vec<Vec<f32>>, Error> {
-        let (h, ns, v) = (self.dims.hidden, self.dims.hc_mult, self.dims.vocab);
-        let mut members = Vec::with_capacity(items.len());
-        let mut n = 0usize;
-        for (k, it) in items.iter_mut().enumerate() {
+    /// Refuses a step with an empty member or a token outside the vocabulary, before any
+    /// store is touched.
+    fn check_items(&self, items: &[BatchItem<'_>]) -> Result<(), Error> {
+        let v = self.dims.vocab;
+        for (k, it) in items.iter().enumerate() {
             if it.tokens.is_empty() {
                 return Err(Error::ModelInput(format!(
                     "batch member {k}: a step needs at least one token"
@@ -750,6 +744,22 @@ impl Model {
                     "token id {tok} at step position {i} is outside the vocabulary of {v}"
                 )));
             }
+        }
+        Ok(())
+    }
+
+    fn run_batch(
+        &self,
+        items: &mut [BatchItem<'_>],
+        mut trace: Option<&mut ModelTrace>,
+        layers: Range<usize>,
+        forced: Option<&[ForcedInput]>,
+    ) -> Result<Vec<Vec<f32>>, Error> {
+        let (h, ns, v) = (self.dims.hidden, self.dims.hc_mult, self.dims.vocab);
+        let mut members = Vec::with_capacity(items.len());
+        let mut n = 0usize;
+        self.check_items(items)?;
+        for it in items.iter_mut() {
             it.store.begin_step(it.tokens);
             let m = it.tokens.len();
             members.push(Member {
@@ -874,6 +884,8 @@ impl Model {
         if groups < 2 || !decode || kvstack_kernels::par::in_task() {
             return self.run_batch(items, None, 0..self.dims.layers, None);
         }
+        // Bad input fails the whole step before any group touches its stores.
+        self.check_items(items)?;
         let per = items.len().div_ceil(groups);
         let mut results: Vec<Result<Vec<Vec<f32>>, Error>> = Vec::new();
         results.resize_with(items.len().div_ceil(per), || Ok(Vec::new()));

@@ -86,3 +86,39 @@ fn every_thread_count_computes_the_same_bits() {
         );
     }
 }
+
+/// A decode step run in sequence groups (2 threads, 4 members) with a token outside the
+/// vocabulary in the last group is refused before any group touches its stores: every store
+/// keeps its length.
+#[test]
+fn a_bad_token_fails_a_grouped_step_before_any_store_moves() {
+    let cfg = kvstack_spec::builtin::tiny_config().unwrap();
+    let mut model = random_model(&cfg, 9).unwrap();
+    model.set_threads(2);
+    let vocab = model.dims().vocab as u32;
+    let mut stores: Vec<ContiguousStore> = (0..4u32)
+        .map(|salt| {
+            let prompt: Vec<u32> = (0..20u32).map(|i| (i * 31 + salt) % vocab).collect();
+            let mut s = model.new_store(None);
+            model.step(&mut s, &prompt, Logits::Last, None).unwrap();
+            s
+        })
+        .collect();
+    let toks = [[1u32], [2], [3], [vocab]];
+    let mut items: Vec<BatchItem<'_>> = stores
+        .iter_mut()
+        .zip(&toks)
+        .map(|(s, t)| BatchItem {
+            store: s,
+            tokens: t,
+            logits: Logits::Last,
+            decoder_window_start: 0,
+        })
+        .collect();
+    let err = model.step_batch(&mut items).unwrap_err();
+    assert!(err.to_string().contains("outside the vocabulary"), "{err}");
+    drop(items);
+    for (k, s) in stores.iter().enumerate() {
+        assert_eq!(s.len(), 20, "member {k} moved");
+    }
+}
