@@ -5,7 +5,8 @@
 //! so counting costs nothing measurable. The counts are the work a call must do at least:
 //!
 //! - linear products ([`crate::linear::PackedLinear`]): `m · n · k` multiply-adds and each
-//!   weight panel's bytes once per product;
+//!   weight panel's bytes once per product (what it must read at least: a product of more
+//!   than 4 rows reads them again per group of rows, mostly from cache);
 //! - sparse attention ([`crate::csa2::attention::SparseAttention::run`],
 //!   [`crate::attn::sparse_attention_decode`]): per query and key, `heads · head_dim`
 //!   multiply-adds for the logits and as many for `P · V` (spec §4 core attention), and the key

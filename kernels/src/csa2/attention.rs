@@ -22,7 +22,7 @@ use kvstack_firmware_interface::EntryFormat;
 
 use super::quant::RowCodec;
 #[cfg(target_arch = "x86_64")]
-use super::softmax::{EXP_FLOOR, EXP_POLY, LN2_HI, LN2_LO};
+use super::softmax::{EXP_FLOOR, EXP_POLY, LN2_HI, LN2_LO, exp_argument};
 use super::softmax::{OnlineSoftmax, PushStep, softmax_with_sink_ref};
 use super::{Error, check_len};
 use crate::level::{SimdLevel, Verified};
@@ -534,11 +534,8 @@ unsafe fn key_batch_avx512(
         {
             let mut m = head.max();
             for k in 0..n {
-                if lg[k] > m {
-                    (a[k], nm[k], m) = (m - lg[k], true, lg[k]);
-                } else {
-                    a[k] = lg[k] - m;
-                }
+                (a[k], nm[k]) = exp_argument(m, lg[k]);
+                m = m.max(lg[k]);
             }
         }
         let exps = exp_batch_avx512(&args);

@@ -63,6 +63,20 @@ pub fn exp_nonpositive(x: f32) -> f32 {
     (p * f64::from_bits(((n as i64 + 1023) as u64) << 52)) as f32
 }
 
+/// The argument of the exponential [`OnlineSoftmax::advance`] takes for `logit` when the
+/// running maximum is `max` (`max - logit` for a new maximum, else `logit - max`; never
+/// positive), and whether `logit` is a new maximum. A kernel computes the exponentials of
+/// several keys at once from these (running the maximum ahead from [`OnlineSoftmax::max`]) and
+/// hands each to [`OnlineSoftmax::advance_with`].
+#[inline(always)]
+pub(crate) fn exp_argument(max: f32, logit: f32) -> (f32, bool) {
+    if logit > max {
+        (max - logit, true)
+    } else {
+        (logit - max, false)
+    }
+}
+
 /// Reference: `out[i] = exp(l_i - m) / (Σ_j exp(l_j - m) + exp(sink - m))` with
 /// `m = max(max_j l_j, sink)`, summing in column order with the sink last.
 pub fn softmax_with_sink_ref(logits: &[f32], sink: f32, out: &mut [f32]) -> Result<(), Error> {
@@ -142,22 +156,8 @@ impl OnlineSoftmax {
     /// accumulator (per element the same operations in the same order, so the same bits).
     #[inline(always)]
     pub(crate) fn advance(&mut self, logit: f32) -> PushStep {
-        let (x, new_max) = self.exp_argument(logit);
+        let (x, new_max) = exp_argument(self.max, logit);
         self.advance_with(logit, new_max, exp_nonpositive(x))
-    }
-
-    /// The argument of the exponential [`OnlineSoftmax::advance`] takes for `logit`
-    /// (`max - logit` for a new maximum, else `logit - max`; never positive), and whether
-    /// `logit` is a new maximum. A kernel computes the exponentials of several keys at once
-    /// from these (the maxima run ahead: [`OnlineSoftmax::max`]) and hands each to
-    /// [`OnlineSoftmax::advance_with`].
-    #[inline(always)]
-    pub(crate) fn exp_argument(&self, logit: f32) -> (f32, bool) {
-        if logit > self.max {
-            (self.max - logit, true)
-        } else {
-            (logit - self.max, false)
-        }
     }
 
     /// The running maximum (the sink's logit at the start).
@@ -167,7 +167,7 @@ impl OnlineSoftmax {
     }
 
     /// [`OnlineSoftmax::advance`] with its exponential `e = exp_nonpositive(x)` computed by
-    /// the caller (`x`, `new_max` from [`OnlineSoftmax::exp_argument`] in this state).
+    /// the caller (`x`, `new_max` from [`exp_argument`] with this state's maximum).
     #[inline(always)]
     pub(crate) fn advance_with(&mut self, logit: f32, new_max: bool, e: f32) -> PushStep {
         if new_max {

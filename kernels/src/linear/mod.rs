@@ -60,16 +60,6 @@ pub const KC: usize = 256;
 /// as the f32 GEMM's).
 pub use crate::csa2::gemm::MIN_MACS_PER_THREAD;
 
-/// The linear products' work counted so far: (multiply-adds, weight bytes read); the linear
-/// half of [`crate::work::Work`].
-///
-/// Bytes count each product's weight panels once: what a product must read at least (a
-/// product of more than 4 rows reads them again per group of rows, mostly from cache).
-pub fn work_counters() -> (u64, u64) {
-    let w = crate::work::Work::now();
-    (w.linear_macs, w.weight_bytes)
-}
-
 /// The storage format of a [`PackedLinear`]'s weights.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum WeightFormat {

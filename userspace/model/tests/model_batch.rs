@@ -11,6 +11,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use kvstack_kernels::model::argmax;
+use kvstack_kernels::work::Work;
 use kvstack_model::attention::{ContiguousStore, KvStore};
 use kvstack_model::init::random_model;
 use kvstack_model::{BatchItem, Logits, Model};
@@ -98,12 +99,12 @@ fn batched_steps_equal_separate_steps_bit_for_bit() {
     // The weight bytes of a step: four members read each attention weight once, as one does
     // (only the routed experts of more tokens add to it). Reading them per member, as before,
     // costs about 3.6 times one member's step on this model.
-    let (_, b0) = kvstack_kernels::linear::work_counters();
+    let w0 = Work::now();
     model.decode(&mut start[0].clone(), first[0]).unwrap();
-    let (_, b1) = kvstack_kernels::linear::work_counters();
+    let w1 = Work::now();
     batch_step(&model, &mut start.clone(), &first);
-    let (_, b2) = kvstack_kernels::linear::work_counters();
-    let (one, four) = (b1 - b0, b2 - b1);
+    let w2 = Work::now();
+    let (one, four) = (w1.since(&w0).weight_bytes, w2.since(&w1).weight_bytes);
     assert!(
         four < one * 3 / 2,
         "a batch of 4 read {four} weight bytes, one member's step {one}"

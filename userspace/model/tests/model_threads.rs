@@ -15,6 +15,20 @@ fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
 
+/// One decode token per store, last logits each.
+fn items<'a>(stores: &'a mut [ContiguousStore], toks: &'a [[u32; 1]]) -> Vec<BatchItem<'a>> {
+    stores
+        .iter_mut()
+        .zip(toks)
+        .map(|(s, t)| BatchItem {
+            store: s,
+            tokens: t,
+            logits: Logits::Last,
+            decoder_window_start: 0,
+        })
+        .collect()
+}
+
 /// Prefill of 160 tokens in one exact chunk (all logits), then 3 batched decode steps of two
 /// sequences; returns every logit computed.
 fn run(model: &Model) -> (Vec<u32>, Vec<ContiguousStore>) {
@@ -35,17 +49,7 @@ fn run(model: &Model) -> (Vec<u32>, Vec<ContiguousStore>) {
     }
     for _ in 0..3 {
         let toks: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
-        let mut items: Vec<BatchItem<'_>> = stores
-            .iter_mut()
-            .zip(&toks)
-            .map(|(s, t)| BatchItem {
-                store: s,
-                tokens: t,
-                logits: Logits::Last,
-                decoder_window_start: 0,
-            })
-            .collect();
-        let logits = model.step_batch(&mut items).unwrap();
+        let logits = model.step_batch(&mut items(&mut stores, &toks)).unwrap();
         next = logits.iter().map(|l| argmax(l).unwrap() as u32).collect();
         for l in &logits {
             out.extend(bits(l));
@@ -105,19 +109,10 @@ fn a_bad_token_fails_a_grouped_step_before_any_store_moves() {
         })
         .collect();
     let toks = [[1u32], [2], [3], [vocab]];
-    let mut items: Vec<BatchItem<'_>> = stores
-        .iter_mut()
-        .zip(&toks)
-        .map(|(s, t)| BatchItem {
-            store: s,
-            tokens: t,
-            logits: Logits::Last,
-            decoder_window_start: 0,
-        })
-        .collect();
-    let err = model.step_batch(&mut items).unwrap_err();
+    let err = model
+        .step_batch(&mut items(&mut stores, &toks))
+        .unwrap_err();
     assert!(err.to_string().contains("outside the vocabulary"), "{err}");
-    drop(items);
     for (k, s) in stores.iter().enumerate() {
         assert_eq!(s.len(), 20, "member {k} moved");
     }
