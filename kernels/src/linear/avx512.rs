@@ -22,6 +22,13 @@ trait Reader: Copy {
     unsafe fn scale(self, p: usize, kb: usize) -> __m512;
     /// Panel `p`'s 16 weights at `l`, times `s`.
     unsafe fn load(self, p: usize, l: usize, s: __m512) -> __m512;
+    /// Panel `p`'s weights at `l` and `l + 1` (one scale block), times `s`: the same vectors
+    /// as two [`Reader::load`]s, for formats that decode a pair more cheaply than two singles.
+    #[inline(always)]
+    unsafe fn load2(self, p: usize, l: usize, s: __m512) -> (__m512, __m512) {
+        // SAFETY: the caller's contract (l + 1 < k).
+        unsafe { (self.load(p, l, s), self.load(p, l + 1, s)) }
+    }
     /// Columns of `k` per scale block.
     fn bc(self) -> usize;
 }
@@ -106,6 +113,21 @@ impl Reader for Fp8R {
         _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(sign, mag)), s)
     }
 
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx2,f16c")]
+    unsafe fn load2(self, p: usize, l: usize, s: __m512) -> (__m512, __m512) {
+        // SAFETY: p < panels and l + 1 < k: the 32 code bytes of `l` and `l + 1` are
+        // consecutive inside the panel buffer.
+        let b = unsafe { _mm256_loadu_si256(self.codes.add((p * self.k + l) * PANEL).cast()) };
+        // The same halves as `load`, 32 at once: `w << 7` puts the magnitude at bits 7..13
+        // and the sign at 14; adding bit 14 to itself carries it to 15 and clears 14.
+        let a = _mm512_slli_epi16::<7>(_mm512_cvtepu8_epi16(b));
+        let h = _mm512_add_epi16(a, _mm512_and_si512(a, _mm512_set1_epi16(0x4000)));
+        let lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+        let hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64::<1>(h));
+        (_mm512_mul_ps(lo, s), _mm512_mul_ps(hi, s))
+    }
+
     fn bc(self) -> usize {
         self.bc
     }
@@ -188,7 +210,25 @@ unsafe fn micro<const R: usize, const P: usize, D: Reader>(
             // SAFETY: p0 + q < panels and kb < kblocks (the caller's ranges).
             *s = unsafe { d.scale(p0 + q, kb) };
         }
-        for ll in l..end {
+        // Pairs of `l` (each accumulator still takes `l`, then `l + 1`: the same chain).
+        let mut ll = l;
+        while ll + 1 < end {
+            let mut w = [(_mm512_setzero_ps(), _mm512_setzero_ps()); P];
+            for (q, w) in w.iter_mut().enumerate() {
+                // SAFETY: as above, ll + 1 < l1 <= k.
+                *w = unsafe { d.load2(p0 + q, ll, s[q]) };
+            }
+            for (i, acc) in acc.iter_mut().enumerate() {
+                // SAFETY: x is readable at i · ldx + ll and + 1 (the caller's contract).
+                let (x0, x1) = unsafe { (*x.add(i * ldx + ll), *x.add(i * ldx + ll + 1)) };
+                let (x0, x1) = (_mm512_set1_ps(x0), _mm512_set1_ps(x1));
+                for (a, &(w0, w1)) in acc.iter_mut().zip(&w) {
+                    *a = _mm512_fmadd_ps(x1, w1, _mm512_fmadd_ps(x0, w0, *a));
+                }
+            }
+            ll += 2;
+        }
+        if ll < end {
             let mut w = [_mm512_setzero_ps(); P];
             for (q, w) in w.iter_mut().enumerate() {
                 // SAFETY: as above, ll < l1 <= k.
@@ -343,9 +383,17 @@ unsafe fn tiled<D: Reader>(
                     // 2 x KC x 16 floats and (j · KC + l - kb0) < 2 KC.
                     unsafe {
                         let s = d.scale(p + j, kb);
-                        for ll in l..end {
-                            let v = d.load(p + j, ll, s);
-                            _mm512_storeu_ps(tile.as_mut_ptr().add((j * KC + ll - kb0) * PANEL), v);
+                        let t = tile.as_mut_ptr();
+                        let at = |ll: usize| t.add((j * KC + ll - kb0) * PANEL);
+                        let mut ll = l;
+                        while ll + 1 < end {
+                            let (v0, v1) = d.load2(p + j, ll, s);
+                            _mm512_storeu_ps(at(ll), v0);
+                            _mm512_storeu_ps(at(ll + 1), v1);
+                            ll += 2;
+                        }
+                        if ll < end {
+                            _mm512_storeu_ps(at(ll), d.load(p + j, ll, s));
                         }
                     }
                     l = end;

@@ -36,7 +36,10 @@
 //! # Levels
 //!
 //! AVX-512 (F + F16C: `vcvtph2ps`, `vpermps` as the FP4 table), AVX2 + FMA + F16C, and the
-//! portable scalar reference, chosen at run time ([`crate::detected_level`]).
+//! portable scalar reference, chosen at run time ([`crate::detected_level`]). AVX-512 decodes
+//! FP8 two `l` at a time (32 codes widened in one 512-bit register, then two `vcvtph2ps`):
+//! the decode, not the FMAs, bounds a decode step's linears, and the pair halves its shuffle
+//! work; each accumulator still takes `l`, then `l + 1`, so the order above is unchanged.
 
 mod avx2;
 mod avx512;
