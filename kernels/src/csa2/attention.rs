@@ -26,6 +26,8 @@ use super::softmax::{EXP_FLOOR, EXP_POLY, LN2_HI, LN2_LO, exp_argument};
 use super::softmax::{OnlineSoftmax, PushStep, softmax_with_sink_ref};
 use super::{Error, check_len};
 use crate::level::{SimdLevel, Verified};
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::{__m512, _mm512_setzero_ps};
 
 /// One attended key: a quantized row of the window (FP8) or of the compressed cache (FP4).
 #[derive(Clone, Copy, Debug)]
@@ -470,11 +472,14 @@ fn dot8_avx2(a: &[f32], b: &[f32]) -> f32 {
 ///   chunk is broadcast to both halves), so each lane is [`dot8`]'s lane: the same fused
 ///   multiply-adds in the same order, reduced the same way with the same scalar tail. The
 ///   keys' dots are independent, so a batch runs 16 chains at once.
+/// - Logits: the dots' lane sums for the whole group and batch in vectors
+///   ([`logits_avx512`]), the same additions as [`dot8`]'s.
 /// - Pushes: per head, the running maximum through the batch gives every exponential's
 ///   argument; the exponentials of the group's batch in two vectors ([`exp_batch_avx512`]);
 ///   then [`OnlineSoftmax::advance_with`] in key order (the scalar part), and one pass over the
 ///   accumulators applying the keys' element updates in key order, 16 elements wide (the four
-///   heads of a group together when every key accumulates in each).
+///   heads of a group together when every key accumulates in each, else each head in runs
+///   that start at a new maximum).
 ///
 /// # Safety
 /// The CPU must support AVX-512 F, AVX2 and FMA.
@@ -502,24 +507,22 @@ unsafe fn key_batch_avx512(
             dots_avx512([pair(2 * g), pair(2 * g + 1)], rows)
         } else {
             let [l] = dots_avx512([pair(2 * g)], rows);
-            [l, [[0f32; 16]; KEY_BATCH]]
+            [l, [_mm512_setzero_ps(); KEY_BATCH]]
         };
-        let mut logits = [[0f32; KEY_BATCH]; 4];
-        for (i, lg) in logits.iter_mut().enumerate().take(group.len()) {
-            let qh = &q[(4 * g + i) * d..(4 * g + i + 1) * d];
-            let half = (i % 2) * 8;
-            for ((l, lane), row) in lg.iter_mut().zip(&lanes[i / 2]).zip(&rows[..n]) {
-                let acc = &lane[half..half + 8];
-                let mut tail = 0f32;
-                for (x, y) in qh[chunks * 8..].iter().zip(&row[chunks * 8..]) {
-                    tail = x.mul_add(*y, tail);
+        // Each dot's scalar tail (the columns past the whole chunks: `+0` when there are
+        // none, as in `dot8`), then the lane sums and the scale, all 32 at once.
+        let mut tails = [[0f32; KEY_BATCH]; 4];
+        if chunks * 8 < d {
+            for (i, tl) in tails.iter_mut().enumerate().take(group.len()) {
+                let qh = &q[(4 * g + i) * d..(4 * g + i + 1) * d];
+                for (t, row) in tl.iter_mut().zip(&rows[..n]) {
+                    for (x, y) in qh[chunks * 8..].iter().zip(&row[chunks * 8..]) {
+                        *t = x.mul_add(*y, *t);
+                    }
                 }
-                let dot = ((acc[0] + acc[4]) + (acc[1] + acc[5]))
-                    + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
-                    + tail;
-                *l = dot * scale;
             }
         }
+        let logits = logits_avx512(lanes, &tails, scale);
         // The scalar steps key by key: first each head's running maximum through the batch
         // and so every exponential's argument, then the exponentials of the whole group and
         // batch at once (two vectors, the same bits as `exp_nonpositive`), then each head's
@@ -571,42 +574,54 @@ unsafe fn key_batch_avx512(
             );
             continue;
         }
+        // Otherwise head by head, in runs: each a new maximum's rescale (or nothing) then
+        // the accumulating keys up to the next one, one pass over the accumulator per run
+        // (most heads: one run; skipped keys do nothing).
         for (head, steps) in group.iter_mut().zip(&steps) {
-            let rescales = steps.iter().any(|st| matches!(st, PushStep::Rescale(_)));
             let acc = head.acc_mut();
-            if rescales {
-                // Rare (a new running maximum): one pass per key, in key order.
-                for (&st, row) in steps.iter().zip(rows) {
-                    apply_avx512(acc, st, row);
+            let mut lead = None;
+            let (mut w, mut r) = ([0f32; KEY_BATCH], [&[][..]; KEY_BATCH]);
+            let mut m = 0;
+            for (k, (&st, &row)) in steps.iter().zip(rows).enumerate() {
+                if let PushStep::Accumulate(e) = st {
+                    (w[m], r[m]) = (e, row);
+                    m += 1;
                 }
-            } else {
-                // The usual case: every key accumulates (or is skipped), one pass for all.
-                let mut w = [0f32; KEY_BATCH];
-                let mut r: [&[f32]; KEY_BATCH] = [&[]; KEY_BATCH];
-                let mut m = 0;
-                for (&st, &row) in steps.iter().zip(rows) {
-                    if let PushStep::Accumulate(e) = st {
-                        (w[m], r[m]) = (e, row);
-                        m += 1;
-                    }
+                let next = steps.get(k + 1).filter(|_| k + 1 < n);
+                if let PushStep::Rescale(s) = st {
+                    lead = Some((s, row));
                 }
-                // Four keys per pass, in key order (the passes' order is the keys' order).
-                for (w, r) in w[..m].chunks(4).zip(r[..m].chunks(4)) {
-                    match (w, r) {
-                        (&[w0], &[r0]) => accumulate_avx512(acc, [w0], [r0]),
-                        (&[w0, w1], &[r0, r1]) => accumulate_avx512(acc, [w0, w1], [r0, r1]),
-                        (&[w0, w1, w2], &[r0, r1, r2]) => {
-                            accumulate_avx512(acc, [w0, w1, w2], [r0, r1, r2])
-                        }
-                        (&[w0, w1, w2, w3], &[r0, r1, r2, r3]) => {
-                            accumulate_avx512(acc, [w0, w1, w2, w3], [r0, r1, r2, r3])
-                        }
-                        _ => {}
-                    }
+                // A run ends before the next rescale and at the batch's end.
+                if matches!(next, Some(PushStep::Rescale(_)) | None) {
+                    run_avx512(acc, lead.take(), &w[..m], &r[..m]);
+                    m = 0;
                 }
             }
         }
     }
+}
+
+/// One run of [`key_batch_avx512`]'s steps on a head's accumulator: `lead`'s rescale
+/// `(s, row)`, if any, then the accumulating keys (weights `w`, rows `r`, at most
+/// [`KEY_BATCH`]) in order, through [`accumulate_avx512`] sized to the run.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+fn run_avx512(acc: &mut [f32], lead: Option<(f32, &[f32])>, w: &[f32], r: &[&[f32]]) {
+    macro_rules! sized {
+        ($($n:literal)*) => {
+            match w.len() {
+                0 if lead.is_none() => {}
+                $($n => {
+                    if let (Ok(w), Ok(r)) = (<[f32; $n]>::try_from(w), <[&[f32]; $n]>::try_from(r)) {
+                        accumulate_avx512(acc, lead, w, r);
+                    }
+                })*
+                // (Runs are at most `KEY_BATCH` long.)
+                _ => {}
+            }
+        };
+    }
+    sized!(0 1 2 3 4 5 6 7 8)
 }
 
 /// [`super::softmax::exp_nonpositive`] of every element, 8 at a time in f64 lanes: the same
@@ -646,46 +661,48 @@ fn exp_batch_avx512(x: &[[f32; KEY_BATCH]; 4]) -> [[f32; KEY_BATCH]; 4] {
     out
 }
 
-/// [`dot_pairs_avx512`] of the `P` pairs with the batch's rows (1 to [`KEY_BATCH`]; lane
-/// sets past the batch are zero, unused).
+/// [`dot_pairs_avx512`] of the `P` pairs with the batch's rows (1 to [`KEY_BATCH`]; the
+/// vectors past the batch are zero, unused).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
-fn dots_avx512<const P: usize>(qp: [&[f32]; P], rows: &[&[f32]]) -> [[[f32; 16]; KEY_BATCH]; P] {
-    fn pad<const P: usize, const N: usize>(v: [[[f32; 16]; N]; P]) -> [[[f32; 16]; KEY_BATCH]; P] {
+fn dots_avx512<const P: usize>(qp: [&[f32]; P], rows: &[&[f32]]) -> [[__m512; KEY_BATCH]; P] {
+    fn pad<const P: usize, const N: usize>(v: [[__m512; N]; P]) -> [[__m512; KEY_BATCH]; P] {
         v.map(|l| {
-            let mut out = [[0f32; 16]; KEY_BATCH];
+            // SAFETY: an all-zero bit pattern is a valid `__m512` (+0 in every lane).
+            let mut out: [__m512; KEY_BATCH] = unsafe { std::mem::zeroed() };
             out[..N].copy_from_slice(&l);
             out
         })
     }
+    // SAFETY: as in `pad`.
+    let zero: [[__m512; KEY_BATCH]; P] = unsafe { std::mem::zeroed() };
     macro_rules! sized {
         ($($n:literal)*) => {
             match rows.len() {
                 $($n => match <[&[f32]; $n]>::try_from(rows) {
                     Ok(r) => pad(dot_pairs_avx512(qp, r)),
-                    Err(_) => [[[0f32; 16]; KEY_BATCH]; P],
+                    Err(_) => zero,
                 },)*
                 // (The caller passes 1 to `KEY_BATCH` rows.)
-                _ => [[[0f32; 16]; KEY_BATCH]; P],
+                _ => zero,
             }
         };
     }
     sized!(1 2 3 4 5 6 7 8)
 }
 
-/// The 16 lane sums of two heads' [`dot8`] accumulators (lanes 0-7 the pair's first head,
-/// 8-15 its second) for each of `P` pairs and `N` rows: `qp[p]` is a pair's interleaved
-/// query (16 floats a chunk, [`interleave_pairs`]); lane `i` adds `q[8c+i] * row[8c+i]` for
+/// The accumulators of two heads' [`dot8`]s (lanes 0-7 the pair's first head, 8-15 its
+/// second) for each of `P` pairs and `N` rows: `qp[p]` is a pair's interleaved query (16
+/// floats a chunk, [`interleave_pairs`]); lane `i` adds `q[8c+i] * row[8c+i]` for
 /// `c = 0, 1, ...` in order, one fused multiply-add each as [`dot8`] does.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
 fn dot_pairs_avx512<const P: usize, const N: usize>(
     qp: [&[f32]; P],
     rows: [&[f32]; N],
-) -> [[[f32; 16]; N]; P] {
+) -> [[__m512; N]; P] {
     use std::arch::x86_64::{
-        __m512, _mm256_loadu_pd, _mm512_broadcast_f64x4, _mm512_castpd_ps, _mm512_fmadd_ps,
-        _mm512_loadu_ps, _mm512_setzero_ps, _mm512_storeu_ps,
+        _mm256_loadu_pd, _mm512_broadcast_f64x4, _mm512_castpd_ps, _mm512_fmadd_ps, _mm512_loadu_ps,
     };
     let chunks = qp.iter().map(|x| x.len() / 16).min().unwrap_or(0);
     // Each pair's and row's whole chunks (a shorter row panics here, before any load);
@@ -711,14 +728,67 @@ fn dot_pairs_avx512<const P: usize, const N: usize>(
             }
         }
     }
-    v.map(|vp| {
-        vp.map(|vk| {
-            let mut o = [0f32; 16];
-            // SAFETY: `o` holds 16 f32, one unaligned 512-bit store.
-            unsafe { _mm512_storeu_ps(o.as_mut_ptr(), vk) };
-            o
-        })
-    })
+    v
+}
+
+/// The logits `logits[h][k]` of a group's four heads (two pairs) and a batch's keys from
+/// their [`dot_pairs_avx512`] accumulators: each dot is [`dot8`]'s
+/// `((a0 + a4) + (a1 + a5)) + ((a2 + a6) + (a3 + a7)) + tail`, times `scale`, with the same
+/// additions (IEEE addition is commutative, so the lanes' order within one does not matter).
+///
+/// Three rounds of two shuffles and an add, each halving the lanes per dot: `a_i + a_(i+4)`
+/// (128-bit blocks), then neighbours within a block, twice. The keys are paired `k` with
+/// `k + 4` at the start, so that the last round leaves each block holding four consecutive
+/// keys of one head.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+fn logits_avx512(
+    lanes: [[__m512; KEY_BATCH]; 2],
+    tails: &[[f32; KEY_BATCH]; 4],
+    scale: f32,
+) -> [[f32; KEY_BATCH]; 4] {
+    use std::arch::x86_64::{
+        _mm512_add_ps, _mm512_loadu_ps, _mm512_mul_ps, _mm512_set1_ps, _mm512_shuffle_f32x4,
+        _mm512_shuffle_ps, _mm512_storeu_ps,
+    };
+    // Block indices 0, 2 of `a` and of `b` / 1, 3 of each: (evens, odds) of 4-lane blocks.
+    const EVEN_BLOCKS: i32 = 0b10_00_10_00;
+    const ODD_BLOCKS: i32 = 0b11_01_11_01;
+    // Lanes 0, 2 of each block of `a` then of `b` / lanes 1, 3.
+    const EVEN_LANES: i32 = 0b10_00_10_00;
+    const ODD_LANES: i32 = 0b11_01_11_01;
+    let mut out = [[0f32; KEY_BATCH]; 4];
+    for (p, v) in lanes.iter().enumerate() {
+        // Round 1: keys k and k + 4 → blocks (k head a, k head b, k+4 head a, k+4 head b),
+        // each block `a_i + a_(i+4)`, i = 0..4.
+        let t: [__m512; 4] = std::array::from_fn(|k| {
+            let (a, b) = (v[k], v[k + 4]);
+            _mm512_add_ps(
+                _mm512_shuffle_f32x4::<EVEN_BLOCKS>(a, b),
+                _mm512_shuffle_f32x4::<ODD_BLOCKS>(a, b),
+            )
+        });
+        let half = |a: __m512, b: __m512| {
+            _mm512_add_ps(
+                _mm512_shuffle_ps::<EVEN_LANES>(a, b),
+                _mm512_shuffle_ps::<ODD_LANES>(a, b),
+            )
+        };
+        // Round 2: (t0 + t1, t2 + t3) of keys (0, 1) / (2, 3) in each block.
+        let (r, w) = (half(t[0], t[1]), half(t[2], t[3]));
+        // Round 3: the dots; block j holds keys 0-3 (j = 0: head a, 1: head b), then keys
+        // 4-7 (j = 2, 3).
+        let dots = half(r, w);
+        // SAFETY: `tails[2p..2p + 2]` is 16 consecutive f32, as is `out[2p..2p + 2]`.
+        unsafe {
+            let tail = _mm512_loadu_ps(tails[2 * p..].as_ptr().cast());
+            // To (head a keys 0-7, head b keys 0-7), the order of `tails` and `out`.
+            let dots = _mm512_shuffle_f32x4::<0b11_01_10_00>(dots, dots);
+            let l = _mm512_mul_ps(_mm512_add_ps(dots, tail), _mm512_set1_ps(scale));
+            _mm512_storeu_ps(out[2 * p..].as_mut_ptr().cast(), l);
+        }
+    }
+    out
 }
 
 /// [`accumulate_avx512`] of four heads over the same [`KEY_BATCH`] rows (`w[h][k]`: head
@@ -766,26 +836,38 @@ fn accumulate4_avx512(acc: [&mut [f32]; 4], w: [[f32; KEY_BATCH]; 4], rows: [&[f
     }
 }
 
-/// `acc[j] = w_k * rows[k][j] + acc[j]` for `k = 0..N` in order (fused, as
+/// `acc[j] = acc[j] * s + lead_row[j]` first when there is a `lead` (a new maximum's
+/// rescale), then `acc[j] = w_k * rows[k][j] + acc[j]` for `k = 0..N` in order (fused, as
 /// [`OnlineSoftmax::push`] does per key), 16 elements at a time, each element loaded and
 /// stored once.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
-fn accumulate_avx512<const N: usize>(acc: &mut [f32], w: [f32; N], rows: [&[f32]; N]) {
+fn accumulate_avx512<const N: usize>(
+    acc: &mut [f32],
+    lead: Option<(f32, &[f32])>,
+    w: [f32; N],
+    rows: [&[f32]; N],
+) {
     use std::arch::x86_64::{_mm512_fmadd_ps, _mm512_loadu_ps, _mm512_set1_ps, _mm512_storeu_ps};
     let d = acc.len();
     // Each row cut to the accumulator's width (a shorter row panics here, before any load);
     // pointers, so that the loop carries no bounds checks.
     let rows = rows.map(|r| &r[..d]);
     let rp = rows.map(|r| r.as_ptr());
+    let lead = lead.map(|(s, r)| (s, &r[..d]));
+    let lp = lead.map(|(s, r)| (_mm512_set1_ps(s), r.as_ptr()));
     let wv = w.map(|e| _mm512_set1_ps(e));
     let (ac, at) = acc.as_chunks_mut::<16>();
     let whole = ac.len() * 16;
     for (j, a) in ac.iter_mut().enumerate() {
-        // SAFETY: `a` is an array of 16 f32, and `rp[k] + 16j .. + 16j + 16` lies within row
-        // `k`'s `d` floats (`16j + 16 <= whole <= d`): unaligned 512-bit loads and one store.
+        // SAFETY: `a` is an array of 16 f32, and `rp[k] + 16j .. + 16j + 16` (and the lead
+        // row's) lies within that row's `d` floats (`16j + 16 <= whole <= d`): unaligned
+        // 512-bit loads and one store.
         unsafe {
             let mut x = _mm512_loadu_ps(a.as_ptr());
+            if let Some((s, r)) = lp {
+                x = _mm512_fmadd_ps(x, s, _mm512_loadu_ps(r.add(j * 16)));
+            }
             for (e, r) in wv.iter().zip(&rp) {
                 x = _mm512_fmadd_ps(*e, _mm512_loadu_ps(r.add(j * 16)), x);
             }
@@ -793,37 +875,12 @@ fn accumulate_avx512<const N: usize>(acc: &mut [f32], w: [f32; N], rows: [&[f32]
         }
     }
     for (i, a) in at.iter_mut().enumerate() {
+        if let Some((s, r)) = lead {
+            *a = a.mul_add(s, r[whole + i]);
+        }
         for (&e, r) in w.iter().zip(&rows) {
             *a = e.mul_add(r[whole + i], *a);
         }
-    }
-}
-
-/// One key's [`PushStep`] on the accumulator, 16 elements at a time (the same per-element
-/// operations as [`OnlineSoftmax::push`]).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx2,fma")]
-fn apply_avx512(acc: &mut [f32], step: PushStep, row: &[f32]) {
-    use std::arch::x86_64::{_mm512_fmadd_ps, _mm512_loadu_ps, _mm512_set1_ps, _mm512_storeu_ps};
-    let (ac, at) = acc.as_chunks_mut::<16>();
-    let (rc, rt) = row[..ac.len() * 16 + at.len()].as_chunks::<16>();
-    match step {
-        PushStep::Rescale(s) => {
-            let sv = _mm512_set1_ps(s);
-            for (a, r) in ac.iter_mut().zip(rc) {
-                // SAFETY: `a` and `r` are arrays of 16 f32: unaligned loads and a store.
-                unsafe {
-                    let x = _mm512_loadu_ps(a.as_ptr());
-                    let x = _mm512_fmadd_ps(x, sv, _mm512_loadu_ps(r.as_ptr()));
-                    _mm512_storeu_ps(a.as_mut_ptr(), x);
-                }
-            }
-            for (a, &v) in at.iter_mut().zip(rt) {
-                *a = a.mul_add(s, v);
-            }
-        }
-        PushStep::Accumulate(e) => accumulate_avx512(acc, [e], [row]),
-        PushStep::Skip => {}
     }
 }
 
