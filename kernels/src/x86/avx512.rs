@@ -455,15 +455,52 @@ pub(crate) fn quantize_mxfp4(rows: &[[f32; 128]], out: &mut [IndexMxfp4Entry]) -
 // ---------------------------------------------------------------------------------------------
 // Dequantizers.
 
+/// E4M3 codes widened as IEEE half: a tile's 32 codes at once, `code << 7` in 16-bit lanes puts
+/// the magnitude at bits 7..14 (exponent bias 15 instead of 7: the value divided by 256
+/// exactly, subnormals included) and the sign at bit 14, which adding bit 14 to itself moves
+/// to 15. `vcvtph2ps` then widens each half exactly. The two NaN codes (a normal half here)
+/// are replaced by [`e4m3_decode`]'s NaN. Same bits as `e4m3_decode(c) * s`: the tile's value
+/// is `half * 256` (exact) times `s` with one rounding, done as one product with `256 s`
+/// where that is a finite power of two.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
 pub(crate) fn dequantize_fp8(entries: &[WindowFp8Entry], out: &mut [[f32; 512]]) {
+    let (magnitude, sign_bit) = (_mm512_set1_epi16(0x7F), _mm512_set1_epi16(0x4000));
+    let (qnan, sign) = (set1_u32(QNAN_BITS), set1_u32(0x8000_0000));
     for (e, y) in entries.iter().zip(out) {
-        let vals: &[[[u8; 16]; 2]; 16] = transmute_ref!(&e.values);
+        let vals: &[[u8; 32]; 16] = transmute_ref!(&e.values);
         let ys: &mut [[[f32; 16]; 2]; 16] = transmute_mut!(y);
-        for ((v, &sb), yt) in vals.iter().zip(&e.scales).zip(ys) {
-            let s = _mm512_set1_ps(ue8m0_to_f32(sb));
-            for (c, o) in v.iter().zip(yt) {
-                st_ps(o, _mm512_mul_ps(e4m3_decode(ld_u8x16(c)), s));
+        for ((v, &sb), [y0, y1]) in vals.iter().zip(&e.scales).zip(ys) {
+            // SAFETY: `v` is 32 readable bytes; `loadu` accepts any alignment.
+            let c = _mm512_cvtepu8_epi16(unsafe { _mm256_loadu_si256(v.as_ptr().cast()) });
+            let a = _mm512_slli_epi16::<7>(c);
+            let h = _mm512_add_epi16(a, _mm512_and_si512(a, sign_bit));
+            let nan = _mm512_cmpeq_epi16_mask(_mm512_and_si512(c, magnitude), magnitude);
+            let halves = [
+                (_mm512_castsi512_si256(h), nan as __mmask16),
+                (_mm512_extracti64x4_epi64::<1>(h), (nan >> 16) as __mmask16),
+            ];
+            // 2^(sb - 127) · 256 is a finite power of two below byte 247; above, the
+            // product is taken in two steps (an infinite `256 s` would turn finite results
+            // into infinities).
+            let s = ue8m0_to_f32(sb);
+            let one_step = sb < 247;
+            let (k, s) = if one_step {
+                (_mm512_set1_ps(s * 256.0), _mm512_set1_ps(s))
+            } else {
+                (_mm512_set1_ps(256.0), _mm512_set1_ps(s))
+            };
+            for ((hv, nan), o) in halves.into_iter().zip([y0, y1]) {
+                let x = _mm512_cvtph_ps(hv);
+                // NaN codes: the quiet NaN with the code's sign, as `e4m3_decode` gives.
+                let xi = _mm512_castps_si512(x);
+                let x = _mm512_castsi512_ps(_mm512_mask_or_epi32(
+                    xi,
+                    nan,
+                    _mm512_and_si512(xi, sign),
+                    qnan,
+                ));
+                let v = _mm512_mul_ps(x, k);
+                st_ps(o, if one_step { v } else { _mm512_mul_ps(v, s) });
             }
         }
     }
