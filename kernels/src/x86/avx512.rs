@@ -456,9 +456,9 @@ pub(crate) fn quantize_mxfp4(rows: &[[f32; 128]], out: &mut [IndexMxfp4Entry]) -
 // Dequantizers.
 
 /// E4M3 codes widened as IEEE half: a tile's 32 codes at once, `code << 7` in 16-bit lanes puts
-/// the magnitude at bits 7..14 (exponent bias 15 instead of 7: the value divided by 256
-/// exactly, subnormals included) and the sign at bit 14, which adding bit 14 to itself moves
-/// to 15. `vcvtph2ps` then widens each half exactly. The two NaN codes (a normal half here)
+/// the magnitude `eeee mmm` at bits 7..13 (exponent bias 15 instead of 7: the value divided by
+/// 256 exactly, subnormals included) and the sign at bit 14, which adding bit 14 to itself
+/// moves to 15. `vcvtph2ps` then widens each half exactly. The two NaN codes (a normal half here)
 /// are replaced by [`e4m3_decode`]'s NaN. Same bits as `e4m3_decode(c) * s`: the tile's value
 /// is `half * 256` (exact) times `s` with one rounding, done as one product with `256 s`
 /// where that is a finite power of two.
