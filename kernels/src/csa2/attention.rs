@@ -666,21 +666,23 @@ fn exp_batch_avx512(x: &[[f32; KEY_BATCH]; 4]) -> [[f32; KEY_BATCH]; 4] {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
 fn dots_avx512<const P: usize>(qp: [&[f32]; P], rows: &[&[f32]]) -> [[__m512; KEY_BATCH]; P] {
-    fn pad<const P: usize, const N: usize>(v: [[__m512; N]; P]) -> [[__m512; KEY_BATCH]; P] {
+    fn pad<const P: usize, const N: usize>(
+        v: [[__m512; N]; P],
+        z: __m512,
+    ) -> [[__m512; KEY_BATCH]; P] {
         v.map(|l| {
-            // SAFETY: an all-zero bit pattern is a valid `__m512` (+0 in every lane).
-            let mut out: [__m512; KEY_BATCH] = unsafe { std::mem::zeroed() };
+            let mut out = [z; KEY_BATCH];
             out[..N].copy_from_slice(&l);
             out
         })
     }
-    // SAFETY: as in `pad`.
-    let zero: [[__m512; KEY_BATCH]; P] = unsafe { std::mem::zeroed() };
+    let z = _mm512_setzero_ps();
+    let zero = [[z; KEY_BATCH]; P];
     macro_rules! sized {
         ($($n:literal)*) => {
             match rows.len() {
                 $($n => match <[&[f32]; $n]>::try_from(rows) {
-                    Ok(r) => pad(dot_pairs_avx512(qp, r)),
+                    Ok(r) => pad(dot_pairs_avx512(qp, r), z),
                     Err(_) => zero,
                 },)*
                 // (The caller passes 1 to `KEY_BATCH` rows.)

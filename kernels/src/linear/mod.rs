@@ -38,8 +38,9 @@
 //! AVX-512 (F + F16C: `vcvtph2ps`, `vpermps` as the FP4 table), AVX2 + FMA + F16C, and the
 //! portable scalar reference, chosen at run time ([`crate::detected_level`]). AVX-512 decodes
 //! FP8 two `l` at a time (32 codes widened in one 512-bit register, then two `vcvtph2ps`):
-//! the decode, not the FMAs, bounds a decode step's linears, and the pair halves its shuffle
-//! work; each accumulator still takes `l`, then `l + 1`, so the order above is unchanged.
+//! the decode, not the FMAs, bounds a decode step's linears, and a pair needs one widening
+//! and one shift sequence where two singles need two; each accumulator still takes `l`, then
+//! `l + 1`, so the order above is unchanged.
 
 mod avx2;
 mod avx512;
