@@ -43,6 +43,7 @@
 //! # Ok::<(), kvstack_kernels::Error>(())
 //! ```
 
+pub mod aligned;
 pub mod attn;
 mod codec;
 pub mod csa2;

@@ -25,6 +25,7 @@ use super::quant::RowCodec;
 use super::softmax::{EXP_FLOOR, EXP_POLY, LN2_HI, LN2_LO, exp_argument};
 use super::softmax::{OnlineSoftmax, PushStep, softmax_with_sink_ref};
 use super::{Error, check_len};
+use crate::aligned::AlignedF32;
 use crate::level::{SimdLevel, Verified};
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::{__m512, _mm512_setzero_ps};
@@ -176,9 +177,9 @@ pub struct SparseAttention {
     shape: AttentionShape,
     level: Verified,
     /// Decoded key rows: one for the portable and AVX2 loops, [`KEY_BATCH`] for AVX-512.
-    rows: Vec<f32>,
+    rows: AlignedF32,
     /// The query with heads interleaved in pairs for the AVX-512 dots (see [`interleave_pairs`]).
-    pairs: Vec<f32>,
+    pairs: AlignedF32,
     heads: Vec<OnlineSoftmax>,
 }
 
@@ -218,8 +219,8 @@ impl SparseAttention {
         SparseAttention {
             shape,
             level,
-            rows: vec![0.0; rows * shape.head_dim],
-            pairs: Vec::new(),
+            rows: AlignedF32::zeroed(rows * shape.head_dim),
+            pairs: AlignedF32::default(),
             heads: (0..shape.heads)
                 .map(|_| OnlineSoftmax::new(shape.head_dim, 0.0))
                 .collect(),
@@ -268,8 +269,8 @@ impl SparseAttention {
                             v
                         }
                         _ => {
-                            shape.decode(key, &mut self.rows, false)?;
-                            &self.rows
+                            shape.decode(key, self.rows.as_mut_slice(), false)?;
+                            self.rows.as_slice()
                         }
                     };
                     if level == SimdLevel::Avx2 {
@@ -318,7 +319,11 @@ impl SparseAttention {
                         Gathered::Borrowed(v)
                     }
                     _ => {
-                        shape.decode(key, &mut self.rows[n * d..(n + 1) * d], false)?;
+                        shape.decode(
+                            key,
+                            &mut self.rows.as_mut_slice()[n * d..(n + 1) * d],
+                            false,
+                        )?;
                         Gathered::Scratch(n)
                     }
                 };
@@ -327,12 +332,18 @@ impl SparseAttention {
             if n == KEY_BATCH || (key.is_none() && n > 0) {
                 let rows = batch.map(|g| match g {
                     Gathered::Borrowed(v) => v,
-                    Gathered::Scratch(i) => &self.rows[i * d..(i + 1) * d],
+                    Gathered::Scratch(i) => &self.rows.as_slice()[i * d..(i + 1) * d],
                 });
                 // SAFETY: `self.level` is verified available and is AVX-512, which means
                 // AVX-512 F and AVX2 + FMA, the features `key_batch_avx512` is compiled for.
                 unsafe {
-                    key_batch_avx512(&self.pairs, q, &rows[..n], shape.scale, &mut self.heads);
+                    key_batch_avx512(
+                        self.pairs.as_slice(),
+                        q,
+                        &rows[..n],
+                        shape.scale,
+                        &mut self.heads,
+                    );
                 }
                 n = 0;
             }
@@ -347,10 +358,10 @@ impl SparseAttention {
 /// each whole 8-wide chunk `c`, 16 floats: `q_a[8c..8c+8]` then `q_b[8c..8c+8]` (zeros for
 /// `b` when the head count is odd). The chunks' tails stay in `q`.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-fn interleave_pairs(q: &[f32], heads: usize, d: usize, out: &mut Vec<f32>) {
+fn interleave_pairs(q: &[f32], heads: usize, d: usize, out: &mut AlignedF32) {
     let chunks = d / 8;
-    out.clear();
-    out.resize(heads.div_ceil(2) * chunks * 16, 0.0);
+    out.reset(heads.div_ceil(2) * chunks * 16);
+    let out = out.as_mut_slice();
     for (h, qh) in q.chunks_exact(d.max(1)).take(heads).enumerate() {
         let half = (h % 2) * 8;
         let base = (h / 2) * chunks * 16;
@@ -474,12 +485,14 @@ fn dot8_avx2(a: &[f32], b: &[f32]) -> f32 {
 ///   keys' dots are independent, so a batch runs 16 chains at once.
 /// - Logits: the dots' lane sums for the whole group and batch in vectors
 ///   ([`logits_avx512`]), the same additions as [`dot8`]'s.
-/// - Pushes: per head, the running maximum through the batch gives every exponential's
-///   argument; the exponentials of the group's batch in two vectors ([`exp_batch_avx512`]);
-///   then [`OnlineSoftmax::advance_with`] in key order (the scalar part), and one pass over the
-///   accumulators applying the keys' element updates in key order, 16 elements wide (the four
-///   heads of a group together when every key accumulates in each, else each head in runs
-///   that start at a new maximum).
+/// - Pushes: a whole batch in which every key only accumulates (no new maximum, no weight
+///   zero; checked in vectors, [`steady_weights_avx512`]) goes straight to one pass over the
+///   group's four accumulators. Otherwise, per head, the running maximum through the batch
+///   gives every exponential's argument; the exponentials of the group's batch in two
+///   vectors ([`exp_batch_avx512`]); then [`OnlineSoftmax::advance_with`] in key order (the
+///   scalar part), and one pass over the accumulators applying the keys' element updates in
+///   key order, 16 elements wide (the four heads of a group together when every key
+///   accumulates in each, else each head in runs that start at a new maximum).
 ///
 /// # Safety
 /// The CPU must support AVX-512 F, AVX2 and FMA.
@@ -523,6 +536,21 @@ unsafe fn key_batch_avx512(
             }
         }
         let logits = logits_avx512(lanes, &tails, scale);
+        // The usual case, checked in vectors: a whole batch in which no key is a new maximum
+        // for any head of the group and every weight is non-zero; then every step is an
+        // accumulate with the weight `exp(logit - max)`, applied in one pass over the four
+        // accumulators.
+        if let ([a, b, c, e], Ok(rows8)) = (&mut *group, <[&[f32]; KEY_BATCH]>::try_from(rows)) {
+            let heads4 = [&mut *a, &mut *b, &mut *c, &mut *e];
+            if let Some(w) = steady_weights_avx512(&logits, heads4) {
+                accumulate4_avx512(
+                    [a.acc_mut(), b.acc_mut(), c.acc_mut(), e.acc_mut()],
+                    w,
+                    rows8,
+                );
+                continue;
+            }
+        }
         // The scalar steps key by key: first each head's running maximum through the batch
         // and so every exponential's argument, then the exponentials of the whole group and
         // batch at once (two vectors, the same bits as `exp_nonpositive`), then each head's
@@ -599,6 +627,54 @@ unsafe fn key_batch_avx512(
             }
         }
     }
+}
+
+/// The weights of a whole batch for four heads when every key only accumulates, with each
+/// head's denominator advanced by them in key order, or `None` (nothing changed) when some key
+/// would take another step: a new maximum (`logit > max`), or a weight of zero (an
+/// exponential that underflows, or a NaN or infinite argument, which the exponential maps to
+/// zero). What [`exp_argument`] and [`OnlineSoftmax::advance_with`] do for such keys: the
+/// argument `logit - max` (the maximum is unchanged through the batch), the same
+/// exponentials ([`exp_batch_avx512`]), `denom += e` key by key.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+fn steady_weights_avx512(
+    logits: &[[f32; KEY_BATCH]; 4],
+    heads: [&mut OnlineSoftmax; 4],
+) -> Option<[[f32; KEY_BATCH]; 4]> {
+    use std::arch::x86_64::{
+        _CMP_EQ_OQ, _CMP_GT_OQ, _mm512_cmp_ps_mask, _mm512_loadu_ps, _mm512_mask_blend_ps,
+        _mm512_set1_ps, _mm512_setzero_ps, _mm512_storeu_ps, _mm512_sub_ps,
+    };
+    let mut args = [[0f32; KEY_BATCH]; 4];
+    for p in 0..2 {
+        // Heads 2p (lanes 0-7) and 2p + 1 (lanes 8-15): their logits and maxima.
+        // SAFETY: `logits[2p..2p + 2]` and `args[2p..2p + 2]` are 16 consecutive f32 each.
+        unsafe {
+            let l = _mm512_loadu_ps(logits[2 * p..].as_ptr().cast());
+            let m = _mm512_mask_blend_ps(
+                0xff00,
+                _mm512_set1_ps(heads[2 * p].max()),
+                _mm512_set1_ps(heads[2 * p + 1].max()),
+            );
+            if _mm512_cmp_ps_mask::<_CMP_GT_OQ>(l, m) != 0 {
+                return None;
+            }
+            _mm512_storeu_ps(args[2 * p..].as_mut_ptr().cast(), _mm512_sub_ps(l, m));
+        }
+    }
+    let exps = exp_batch_avx512(&args);
+    for p in 0..2 {
+        // SAFETY: `exps[2p..2p + 2]` is 16 consecutive f32.
+        let e = unsafe { _mm512_loadu_ps(exps[2 * p..].as_ptr().cast()) };
+        if _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(e, _mm512_setzero_ps()) != 0 {
+            return None;
+        }
+    }
+    for (head, es) in heads.into_iter().zip(&exps) {
+        head.accumulate_all(es);
+    }
+    Some(exps)
 }
 
 /// One run of [`key_batch_avx512`]'s steps on a head's accumulator: `lead`'s rescale
@@ -795,27 +871,66 @@ fn logits_avx512(
 
 /// [`accumulate_avx512`] of four heads over the same [`KEY_BATCH`] rows (`w[h][k]`: head
 /// `h`'s weight of row `k`): each head's elements see the same fused multiply-adds in the
-/// same key order, and each row chunk is loaded once for the four heads.
+/// same key order. Two heads per pass over the rows: their 16 weights, the 8 row chunks and
+/// the two accumulator chunks stay in registers (four heads' 32 weights would not, and their
+/// reloads made the pass about twice as slow).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
 fn accumulate4_avx512(acc: [&mut [f32]; 4], w: [[f32; KEY_BATCH]; 4], rows: [&[f32]; KEY_BATCH]) {
+    let [a0, a1, a2, a3] = acc;
+    let [w0, w1, w2, w3] = w;
+    accumulate2_avx512([a0, a1], [w0, w1], rows);
+    accumulate2_avx512([a2, a3], [w2, w3], rows);
+}
+
+/// Two heads of [`accumulate4_avx512`] in one pass over the rows, 16 elements at a time.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+fn accumulate2_avx512(acc: [&mut [f32]; 2], w: [[f32; KEY_BATCH]; 2], rows: [&[f32]; KEY_BATCH]) {
     use std::arch::x86_64::{_mm512_fmadd_ps, _mm512_loadu_ps, _mm512_set1_ps, _mm512_storeu_ps};
     let d = acc.iter().map(|a| a.len()).min().unwrap_or(0);
     let whole = d / 16 * 16;
     // Every accumulator and row cut to the common width (a shorter row panics here, before
     // any load); pointers, so that the loop carries no bounds checks.
     let rp = rows.map(|r| r[..d].as_ptr());
-    let [a0, a1, a2, a3] = acc;
-    let ap = [
-        a0[..d].as_mut_ptr(),
-        a1[..d].as_mut_ptr(),
-        a2[..d].as_mut_ptr(),
-        a3[..d].as_mut_ptr(),
-    ];
-    let wv = w.map(|wh| wh.map(|e| _mm512_set1_ps(e)));
-    for j in (0..whole).step_by(16) {
+    let [a0, a1] = acc;
+    let ap = [a0[..d].as_mut_ptr(), a1[..d].as_mut_ptr()];
+    // (Not `map` with a closure: a closure does not inherit the target features, and
+    // its intrinsics become calls.)
+    let mut wv = [[_mm512_setzero_ps(); KEY_BATCH]; 2];
+    for (vh, wh) in wv.iter_mut().zip(&w) {
+        for (v, &e) in vh.iter_mut().zip(wh) {
+            *v = _mm512_set1_ps(e);
+        }
+    }
+    // Four chunks of both heads at once: each element's multiply-adds are one dependent
+    // chain (the key order), so eight chains in flight keep the FMA ports busy.
+    let wide = d / 64 * 64;
+    for j in (0..wide).step_by(64) {
+        // SAFETY: `j + 64 <= wide <= d`, and every row and accumulator pointer covers `d`
+        // floats (the two accumulators are distinct slices): unaligned 512-bit loads and
+        // stores.
+        unsafe {
+            let mut x: [[__m512; 4]; 2] =
+                ap.map(|a| std::array::from_fn(|c| _mm512_loadu_ps(a.add(j + 16 * c))));
+            for (k, r) in rp.iter().enumerate() {
+                let rv: [__m512; 4] = std::array::from_fn(|c| _mm512_loadu_ps(r.add(j + 16 * c)));
+                for (xh, wh) in x.iter_mut().zip(&wv) {
+                    for (xc, rc) in xh.iter_mut().zip(&rv) {
+                        *xc = _mm512_fmadd_ps(wh[k], *rc, *xc);
+                    }
+                }
+            }
+            for (a, xh) in ap.iter().zip(&x) {
+                for (c, xc) in xh.iter().enumerate() {
+                    _mm512_storeu_ps(a.add(j + 16 * c), *xc);
+                }
+            }
+        }
+    }
+    for j in (wide..whole).step_by(16) {
         // SAFETY: `j + 16 <= whole <= d`, and every row and accumulator pointer covers `d`
-        // floats (the four accumulators are distinct slices): unaligned 512-bit loads and
+        // floats (the two accumulators are distinct slices): unaligned 512-bit loads and
         // stores.
         unsafe {
             let r = rp.map(|r| _mm512_loadu_ps(r.add(j)));
@@ -857,8 +972,16 @@ fn accumulate_avx512<const N: usize>(
     let rows = rows.map(|r| &r[..d]);
     let rp = rows.map(|r| r.as_ptr());
     let lead = lead.map(|(s, r)| (s, &r[..d]));
-    let lp = lead.map(|(s, r)| (_mm512_set1_ps(s), r.as_ptr()));
-    let wv = w.map(|e| _mm512_set1_ps(e));
+    // (Not `map` with a closure: a closure does not inherit the target features, and
+    // its intrinsics become calls.)
+    let mut lp = None;
+    if let Some((s, r)) = lead {
+        lp = Some((_mm512_set1_ps(s), r.as_ptr()));
+    }
+    let mut wv = [_mm512_setzero_ps(); N];
+    for (v, &e) in wv.iter_mut().zip(&w) {
+        *v = _mm512_set1_ps(e);
+    }
     let (ac, at) = acc.as_chunks_mut::<16>();
     let whole = ac.len() * 16;
     for (j, a) in ac.iter_mut().enumerate() {
@@ -983,20 +1106,106 @@ mod tests {
             if avx512 {
                 let mut c: Vec<OnlineSoftmax> =
                     (0..heads).map(|_| OnlineSoftmax::new(d, 0.5)).collect();
-                let mut pairs = Vec::new();
+                let mut pairs = AlignedF32::default();
                 interleave_pairs(&q, heads, d, &mut pairs);
+                let pairs = pairs.as_slice();
                 let refs: Vec<&[f32]> = rows.iter().map(|r| r.as_slice()).collect();
                 let (mut at, mut size) = (0, 1);
                 while at < refs.len() {
                     let end = (at + size).min(refs.len());
                     // SAFETY: AVX-512 F/BW/VL and AVX2/FMA were checked above.
-                    unsafe { key_batch_avx512(&pairs, &q, &refs[at..end], 0.125, &mut c) };
+                    unsafe { key_batch_avx512(pairs, &q, &refs[at..end], 0.125, &mut c) };
                     at = end;
                     size = size % KEY_BATCH + 1;
                 }
                 assert!(bits(&c, d) == want, "AVX-512, heads {heads}, width {d}");
             }
         }
+    }
+
+    /// The vector check of a steady batch against the scalar steps: when it takes a batch,
+    /// every key of every head is an accumulate with the same weight bits and the heads end
+    /// with the same maximum and denominator bits; it declines (changing nothing) exactly
+    /// when some key is a new maximum or weighs zero (underflow, NaN, infinity).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn steady_batches_take_the_scalar_steps() {
+        if !SimdLevel::Avx512.is_available() {
+            eprintln!("skipped: this CPU lacks AVX-512 F/BW/VL");
+            return;
+        }
+        let mut next = rng(0x51f1_5eed);
+        let (mut taken, mut declined) = (0, 0);
+        for case in 0..500usize {
+            let mut logits = [[0f32; KEY_BATCH]; 4];
+            for l in logits.as_flattened_mut() {
+                *l = next() * 3.0;
+            }
+            let (h, k) = (case % 4, (case / 4) % KEY_BATCH);
+            logits[h][k] = match case % 6 {
+                1 => 6.5,
+                2 => -200.0,
+                3 => f32::NAN,
+                4 => f32::NEG_INFINITY,
+                _ => logits[h][k],
+            };
+            let mut vector: Vec<OnlineSoftmax> = (0..4)
+                .map(|i| OnlineSoftmax::new(4, 6.0 + i as f32 * 0.25))
+                .collect();
+            // A little history: each head's denominator is past its start.
+            for (i, head) in vector.iter_mut().enumerate() {
+                head.push(next() - 1.0, &[1.0, 2.0, 3.0, 4.0 + i as f32]);
+            }
+            let mut scalar = vector.clone();
+            let mut steps = Vec::new();
+            // In key order, each key for every head (as `key_step`).
+            for kk in 0..KEY_BATCH {
+                for (hh, (head, lg)) in scalar.iter_mut().zip(&logits).enumerate() {
+                    steps.push((hh, kk, head.advance(lg[kk])));
+                }
+            }
+            let steady = steps
+                .iter()
+                .all(|(_, _, s)| matches!(s, PushStep::Accumulate(_)));
+            let before: Vec<(u32, u32)> = vector
+                .iter()
+                .map(|h| (h.max().to_bits(), h.denom().to_bits()))
+                .collect();
+            let [a, b, c, e] = &mut vector[..] else {
+                unreachable!()
+            };
+            // SAFETY: AVX-512 F/BW/VL (with AVX2 and FMA) was checked above.
+            let got = unsafe { steady_weights_avx512(&logits, [a, b, c, e]) };
+            match got {
+                Some(w) => {
+                    assert!(steady, "case {case}: took a batch with other steps");
+                    for &(hh, kk, s) in &steps {
+                        let PushStep::Accumulate(x) = s else {
+                            unreachable!()
+                        };
+                        assert_eq!(x.to_bits(), w[hh][kk].to_bits(), "case {case}");
+                    }
+                    for (v, s) in vector.iter().zip(&scalar) {
+                        assert_eq!(v.max().to_bits(), s.max().to_bits(), "case {case}");
+                        assert_eq!(v.denom().to_bits(), s.denom().to_bits(), "case {case}");
+                    }
+                    taken += 1;
+                }
+                None => {
+                    assert!(!steady, "case {case}: declined a steady batch");
+                    let after: Vec<(u32, u32)> = vector
+                        .iter()
+                        .map(|h| (h.max().to_bits(), h.denom().to_bits()))
+                        .collect();
+                    assert_eq!(before, after, "case {case}: declining changed a head");
+                    declined += 1;
+                }
+            }
+        }
+        assert!(
+            taken > 100 && declined > 100,
+            "{taken} taken, {declined} declined"
+        );
     }
 
     /// `SparseAttention::run` at every level this CPU has gives the portable run's bits, over

@@ -110,7 +110,7 @@ pub(crate) enum PushStep {
 pub struct OnlineSoftmax {
     max: f32,
     denom: f32,
-    acc: Vec<f32>,
+    acc: crate::aligned::AlignedF32,
 }
 
 impl OnlineSoftmax {
@@ -120,7 +120,7 @@ impl OnlineSoftmax {
         OnlineSoftmax {
             max: sink,
             denom: 1.0,
-            acc: vec![0.0; dim],
+            acc: crate::aligned::AlignedF32::zeroed(dim),
         }
     }
 
@@ -128,7 +128,7 @@ impl OnlineSoftmax {
     pub fn reset(&mut self, sink: f32) {
         self.max = sink;
         self.denom = 1.0;
-        self.acc.fill(0.0);
+        self.acc.as_mut_slice().fill(0.0);
     }
 
     /// Adds a column with `logit` and `value` (`value.len()` is the accumulator's width).
@@ -137,12 +137,12 @@ impl OnlineSoftmax {
     pub fn push(&mut self, logit: f32, value: &[f32]) {
         match self.advance(logit) {
             PushStep::Rescale(scale) => {
-                for (a, &v) in self.acc.iter_mut().zip(value) {
+                for (a, &v) in self.acc.as_mut_slice().iter_mut().zip(value) {
                     *a = a.mul_add(scale, v);
                 }
             }
             PushStep::Accumulate(e) => {
-                for (a, &v) in self.acc.iter_mut().zip(value) {
+                for (a, &v) in self.acc.as_mut_slice().iter_mut().zip(value) {
                     *a = e.mul_add(v, *a);
                 }
             }
@@ -183,17 +183,32 @@ impl OnlineSoftmax {
         }
     }
 
+    /// [`OnlineSoftmax::advance_with`] for keys that each accumulate with weight `e` (none a
+    /// new maximum, no weight zero): the denominator's additions in order.
+    #[inline(always)]
+    pub(crate) fn accumulate_all(&mut self, es: &[f32]) {
+        for &e in es {
+            self.denom += e;
+        }
+    }
+
+    /// The running denominator (tests compare kernels' states).
+    #[cfg(test)]
+    pub(crate) fn denom(&self) -> f32 {
+        self.denom
+    }
+
     /// The running weighted sum `Σ_i w_i v_i` (not yet divided by the denominator), for the
     /// kernels that apply [`OnlineSoftmax::advance`]'s steps themselves.
     pub(crate) fn acc_mut(&mut self) -> &mut [f32] {
-        &mut self.acc
+        self.acc.as_mut_slice()
     }
 
     /// Writes `Σ_i p_i v_i` into `out`.
     pub fn finish(&self, out: &mut [f32]) -> Result<(), Error> {
         check_len("online softmax output", self.acc.len(), out.len())?;
         let inv = 1.0 / self.denom;
-        for (o, &a) in out.iter_mut().zip(&self.acc) {
+        for (o, &a) in out.iter_mut().zip(self.acc.as_slice()) {
             *o = a * inv;
         }
         Ok(())

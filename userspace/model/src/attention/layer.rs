@@ -27,6 +27,7 @@
 //! weight is read once per step.
 
 use kvstack_firmware_interface::{EntryFormat, GlobalFp4Entry, IndexMxfp4Entry, WindowFp8Entry};
+use kvstack_kernels::aligned::AlignedF32;
 use kvstack_kernels::attn as fast;
 use kvstack_kernels::csa2::attention::{AttentionShape, KeyRow, SparseAttention};
 use kvstack_kernels::csa2::candidates::{candidate_pool, mask_to_candidates};
@@ -1259,15 +1260,17 @@ impl Csa2Attention {
         let hd = d.head_dim;
         // A step of several queries decodes each key once: the window rows the step reads
         // (one contiguous range) and every selected entry, into f32 rows the queries share.
-        let (mut wdec, mut wlo) = (Vec::new(), 0u64);
-        let mut edec: Vec<f32> = Vec::new();
+        // (Both in cache-line-aligned buffers: the kernel's loads of a row then never straddle
+        // two lines.)
+        let (mut wdec, mut wlo) = (AlignedF32::default(), 0u64);
+        let mut edec = AlignedF32::default();
         let mut eslot: Vec<u32> = Vec::new();
         if n > 1 {
             wlo = *sel.window_positions(positions[0]).start();
             let whi = positions[n - 1];
             if whi >= wlo {
-                wdec = vec![0f32; (whi - wlo + 1) as usize * hd];
-                for (p, row) in (wlo..=whi).zip(wdec.chunks_exact_mut(hd)) {
+                wdec = AlignedF32::zeroed((whi - wlo + 1) as usize * hd);
+                for (p, row) in (wlo..=whi).zip(wdec.as_mut_slice().chunks_exact_mut(hd)) {
                     // The first query that reads row `p`.
                     let t = p.max(positions[0]);
                     self.shape
@@ -1275,25 +1278,29 @@ impl Csa2Attention {
                         .map_err(Error::kernel(layer, "sparse attention"))?;
                 }
             }
+            // Each selected entry once, in order of first use: its slot, then the rows.
+            let mut first: Vec<(u64, u64)> = Vec::new();
             for (i, &t) in positions.iter().enumerate() {
                 for j in sel.selected(i)? {
                     let j = j as usize;
                     if j >= eslot.len() {
                         eslot.resize(j + 1, u32::MAX);
                     }
-                    if eslot[j] != u32::MAX {
-                        continue;
+                    if eslot[j] == u32::MAX {
+                        eslot[j] = first.len() as u32;
+                        first.push((j as u64, t));
                     }
-                    let e = keys.entry_row(j as u64, t)?;
-                    let at = edec.len();
-                    eslot[j] = (at / hd) as u32;
-                    edec.resize(at + hd, 0.0);
-                    self.shape
-                        .decode_row(KeyRow::Compressed(e), &mut edec[at..])
-                        .map_err(Error::kernel(layer, "sparse attention"))?;
                 }
             }
+            edec = AlignedF32::zeroed(first.len() * hd);
+            for (&(j, t), row) in first.iter().zip(edec.as_mut_slice().chunks_exact_mut(hd)) {
+                let e = keys.entry_row(j, t)?;
+                self.shape
+                    .decode_row(KeyRow::Compressed(e), row)
+                    .map_err(Error::kernel(layer, "sparse attention"))?;
+            }
         }
+        let (wdec, edec) = (wdec.as_slice(), edec.as_slice());
         let qw = d.q_width();
         if n > 1 {
             // Every key is decoded: the queries are independent and may run on several threads.
