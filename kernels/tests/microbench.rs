@@ -212,7 +212,11 @@ fn attention_timings() {
     for (k, row) in quantized.iter().zip(dec.as_mut_slice().chunks_exact_mut(d)) {
         shape.decode_row(*k, row).unwrap();
     }
-    let decoded: Vec<KeyRow<'_>> = dec.as_slice().chunks_exact(d).map(KeyRow::Decoded).collect();
+    let decoded: Vec<KeyRow<'_>> = dec
+        .as_slice()
+        .chunks_exact(d)
+        .map(KeyRow::Decoded)
+        .collect();
     let q: Vec<f32> = (0..heads * d).map(|_| uniform()).collect();
     let sinks = vec![0.25f32; heads];
     let mut out = vec![0f32; heads * d];

@@ -6,6 +6,7 @@
 //! matrix from Sinkhorn iterations).
 
 use crate::csa2::Error;
+use crate::level::SimdLevel;
 use crate::linear::PackedLinear;
 
 /// The parameters of one coefficient site, borrowed from the weights.
@@ -187,24 +188,88 @@ impl HcShape {
             });
         }
         let mut old = vec![0f32; n * h];
-        for ((m, y), s) in mix
-            .iter()
-            .zip(y.chunks_exact(h))
-            .zip(streams.chunks_exact_mut(n * h))
-        {
-            old.copy_from_slice(s);
-            for (j, out) in s.chunks_exact_mut(h).enumerate() {
-                for (c, o) in out.iter_mut().enumerate() {
-                    let mut acc = m.post[j] * y[c];
-                    for src in 0..n {
-                        acc += m.comb[src * n + j] * old[src * h + c];
-                    }
-                    *o = acc;
-                }
-            }
+        match crate::level::Verified::detected().level() {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the detected level is verified available: AVX-512 means AVX-512 F (and
+            // AVX2, FMA), the features `expand_avx512` is compiled for.
+            SimdLevel::Avx512 => unsafe { expand_avx512(n, h, mix, y, streams, &mut old) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above; the AVX2 level means AVX2 and FMA.
+            SimdLevel::Avx2 => unsafe { expand_avx2(n, h, mix, y, streams, &mut old) },
+            _ => expand_tokens(n, h, mix, y, streams, &mut old),
         }
         Ok(())
     }
+}
+
+/// [`HcShape::expand`]'s loop: per token and stream, for each element
+/// `post * y + Σ_src comb * old` with separate multiplies and adds in `src` order. Rust never
+/// fuses them, so the copies compiled for wider vectors ([`expand_avx512`], [`expand_avx2`];
+/// the element loops vectorize) give the same bits.
+#[inline(always)]
+fn expand_tokens(
+    n: usize,
+    h: usize,
+    mix: &[HcMix],
+    y: &[f32],
+    streams: &mut [f32],
+    old: &mut [f32],
+) {
+    for ((m, y), s) in mix
+        .iter()
+        .zip(y.chunks_exact(h))
+        .zip(streams.chunks_exact_mut(n * h))
+    {
+        old.copy_from_slice(s);
+        for (j, out) in s.chunks_exact_mut(h).enumerate() {
+            // Element by element the same sum in the same order; the loops over the elements
+            // innermost, so that they vectorize.
+            let post = m.post[j];
+            for (o, &yc) in out.iter_mut().zip(y) {
+                *o = post * yc;
+            }
+            for (src, prev) in old.chunks_exact(h).enumerate() {
+                let w = m.comb[src * n + j];
+                for (o, &v) in out.iter_mut().zip(prev) {
+                    *o += w * v;
+                }
+            }
+        }
+    }
+}
+
+/// [`expand_tokens`] compiled for AVX-512.
+///
+/// # Safety
+/// The CPU must support AVX-512 F, AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn expand_avx512(
+    n: usize,
+    h: usize,
+    mix: &[HcMix],
+    y: &[f32],
+    streams: &mut [f32],
+    old: &mut [f32],
+) {
+    expand_tokens(n, h, mix, y, streams, old);
+}
+
+/// [`expand_tokens`] compiled for AVX2.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn expand_avx2(
+    n: usize,
+    h: usize,
+    mix: &[HcMix],
+    y: &[f32],
+    streams: &mut [f32],
+    old: &mut [f32],
+) {
+    expand_tokens(n, h, mix, y, streams, old);
 }
 
 #[cfg(test)]
@@ -251,6 +316,72 @@ mod tests {
             }
             assert!(m.pre.iter().all(|&p| p > 0.0 && p <= 1.0 + 1e-6));
             assert!(m.post.iter().all(|&p| (0.0..=2.0).contains(&p)));
+        }
+    }
+
+    /// The copies of the expand loop compiled for AVX-512 and AVX2 give the portable copy's
+    /// bits (widths with and without a vector tail, several tokens).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn expand_is_bit_identical_at_every_level() {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 40) as f32 / (1u64 << 22) as f32 - 2.0
+        };
+        for (n, h, t) in [(4usize, 1024usize, 3usize), (4, 37, 2), (3, 100, 1)] {
+            let mix: Vec<HcMix> = (0..t)
+                .map(|_| HcMix {
+                    pre: (0..n).map(|_| next()).collect(),
+                    post: (0..n).map(|_| next()).collect(),
+                    comb: (0..n * n).map(|_| next()).collect(),
+                })
+                .collect();
+            let y: Vec<f32> = (0..t * h).map(|_| next()).collect();
+            let streams: Vec<f32> = (0..t * n * h).map(|_| next()).collect();
+            let mut old = vec![0f32; n * h];
+            let mut want = streams.clone();
+            expand_tokens(n, h, &mix, &y, &mut want, &mut old);
+            if SimdLevel::Avx512.is_available() {
+                let mut got = streams.clone();
+                // SAFETY: AVX-512 (F, with AVX2 and FMA) was checked just above.
+                unsafe { expand_avx512(n, h, &mix, &y, &mut got, &mut old) };
+                assert!(
+                    got.iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits())
+                );
+            } else {
+                eprintln!("skipped the AVX-512 copy: this CPU lacks AVX-512");
+            }
+            if SimdLevel::Avx2.is_available() {
+                let mut got = streams.clone();
+                // SAFETY: AVX2 and FMA were checked just above.
+                unsafe { expand_avx2(n, h, &mix, &y, &mut got, &mut old) };
+                assert!(
+                    got.iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits())
+                );
+            }
+            // And through the public entry point (the detected level).
+            let mut got = streams.clone();
+            HcShape {
+                streams: n,
+                hidden: h,
+                sinkhorn_iters: 1,
+                eps: 0.0,
+                norm_eps: 0.0,
+            }
+            .expand(&mix, &y, &mut got)
+            .unwrap();
+            assert!(
+                got.iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits())
+            );
         }
     }
 
