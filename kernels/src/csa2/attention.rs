@@ -486,13 +486,13 @@ fn dot8_avx2(a: &[f32], b: &[f32]) -> f32 {
 /// - Logits: the dots' lane sums for the whole group and batch in vectors
 ///   ([`logits_avx512`]), the same additions as [`dot8`]'s.
 /// - Pushes: a whole batch in which every key only accumulates (no new maximum, no weight
-///   zero; checked in vectors, [`steady_weights_avx512`]) goes straight to one pass over the
-///   group's four accumulators. Otherwise, per head, the running maximum through the batch
-///   gives every exponential's argument; the exponentials of the group's batch in two
-///   vectors ([`exp_batch_avx512`]); then [`OnlineSoftmax::advance_with`] in key order (the
-///   scalar part), and one pass over the accumulators applying the keys' element updates in
-///   key order, 16 elements wide (the four heads of a group together when every key
-///   accumulates in each, else each head in runs that start at a new maximum).
+///   zero; checked in vectors, [`steady_weights_avx512`]) goes straight to the pass over the
+///   group's accumulators ([`accumulate4_avx512`]). Otherwise (and for partial batches and
+///   groups of fewer than four heads), per head, the running maximum through the batch gives
+///   every exponential's argument; the exponentials of the group's batch in two vectors
+///   ([`exp_batch_avx512`]); then [`OnlineSoftmax::advance_with`] in key order (the scalar
+///   part), and each head's element updates in key order, in runs that start at a new
+///   maximum, one pass over its accumulator per run, 16 elements wide.
 ///
 /// # Safety
 /// The CPU must support AVX-512 F, AVX2 and FMA.
@@ -538,8 +538,8 @@ unsafe fn key_batch_avx512(
         let logits = logits_avx512(lanes, &tails, scale);
         // The usual case, checked in vectors: a whole batch in which no key is a new maximum
         // for any head of the group and every weight is non-zero; then every step is an
-        // accumulate with the weight `exp(logit - max)`, applied in one pass over the four
-        // accumulators.
+        // accumulate with the weight `exp(logit - max)`, applied by one pass over the rows per
+        // two heads.
         if let ([a, b, c, e], Ok(rows8)) = (&mut *group, <[&[f32]; KEY_BATCH]>::try_from(rows)) {
             let heads4 = [&mut *a, &mut *b, &mut *c, &mut *e];
             if let Some(w) = steady_weights_avx512(&logits, heads4) {
@@ -576,35 +576,9 @@ unsafe fn key_batch_avx512(
                 st[k] = head.advance_with(logits[h][k], new_max[h][k], exps[h][k]);
             }
         }
-        // The usual case: every key of the batch accumulates in every head of the group.
-        // One pass then updates all the group's accumulators, each row chunk loaded once.
-        let all_accumulate = steps
-            .iter()
-            .all(|st| st.iter().all(|s| matches!(s, PushStep::Accumulate(_))));
-        if let ([a, b, c, e], Ok(rows8), true) = (
-            &mut *group,
-            <[&[f32]; KEY_BATCH]>::try_from(rows),
-            all_accumulate,
-        ) {
-            let w = steps.map(|st| {
-                st.map(|s| {
-                    if let PushStep::Accumulate(e) = s {
-                        e
-                    } else {
-                        0.0
-                    }
-                })
-            });
-            accumulate4_avx512(
-                [a.acc_mut(), b.acc_mut(), c.acc_mut(), e.acc_mut()],
-                w,
-                rows8,
-            );
-            continue;
-        }
-        // Otherwise head by head, in runs: each a new maximum's rescale (or nothing) then
-        // the accumulating keys up to the next one, one pass over the accumulator per run
-        // (most heads: one run; skipped keys do nothing).
+        // Head by head, in runs: each a new maximum's rescale (or nothing) then the
+        // accumulating keys up to the next one, one pass over the accumulator per run (most
+        // heads: one run; skipped keys do nothing).
         for (head, steps) in group.iter_mut().zip(&steps) {
             let acc = head.acc_mut();
             let mut lead = None;
@@ -903,37 +877,15 @@ fn accumulate2_avx512(acc: [&mut [f32]; 2], w: [[f32; KEY_BATCH]; 2], rows: [&[f
             *v = _mm512_set1_ps(e);
         }
     }
-    // Four chunks of both heads at once: each element's multiply-adds are one dependent
-    // chain (the key order), so eight chains in flight keep the FMA ports busy.
-    let wide = d / 64 * 64;
-    for j in (0..wide).step_by(64) {
-        // SAFETY: `j + 64 <= wide <= d`, and every row and accumulator pointer covers `d`
-        // floats (the two accumulators are distinct slices): unaligned 512-bit loads and
-        // stores.
-        unsafe {
-            let mut x: [[__m512; 4]; 2] =
-                ap.map(|a| std::array::from_fn(|c| _mm512_loadu_ps(a.add(j + 16 * c))));
-            for (k, r) in rp.iter().enumerate() {
-                let rv: [__m512; 4] = std::array::from_fn(|c| _mm512_loadu_ps(r.add(j + 16 * c)));
-                for (xh, wh) in x.iter_mut().zip(&wv) {
-                    for (xc, rc) in xh.iter_mut().zip(&rv) {
-                        *xc = _mm512_fmadd_ps(wh[k], *rc, *xc);
-                    }
-                }
-            }
-            for (a, xh) in ap.iter().zip(&x) {
-                for (c, xc) in xh.iter().enumerate() {
-                    _mm512_storeu_ps(a.add(j + 16 * c), *xc);
-                }
-            }
-        }
-    }
-    for j in (wide..whole).step_by(16) {
+    for j in (0..whole).step_by(16) {
         // SAFETY: `j + 16 <= whole <= d`, and every row and accumulator pointer covers `d`
         // floats (the two accumulators are distinct slices): unaligned 512-bit loads and
         // stores.
         unsafe {
-            let r = rp.map(|r| _mm512_loadu_ps(r.add(j)));
+            let mut r = [_mm512_setzero_ps(); KEY_BATCH];
+            for (v, p) in r.iter_mut().zip(&rp) {
+                *v = _mm512_loadu_ps(p.add(j));
+            }
             for (a, wh) in ap.iter().zip(&wv) {
                 let mut x = _mm512_loadu_ps(a.add(j));
                 for (e, rk) in wh.iter().zip(&r) {
