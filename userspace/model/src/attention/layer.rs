@@ -1260,8 +1260,8 @@ impl Csa2Attention {
         let hd = d.head_dim;
         // A step of several queries decodes each key once: the window rows the step reads
         // (one contiguous range) and every selected entry, into f32 rows the queries share.
-        // (Both in cache-line-aligned buffers: the kernel's loads of a row then never straddle
-        // two lines.)
+        // (Both in cache-line-aligned buffers: rows of a multiple of 16 floats, as V4.1's 512,
+        // then start on a line, and none of the kernel's loads straddles two.)
         let (mut wdec, mut wlo) = (AlignedF32::default(), 0u64);
         let mut edec = AlignedF32::default();
         let mut eslot: Vec<u32> = Vec::new();
