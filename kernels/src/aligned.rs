@@ -3,7 +3,8 @@
 //! The AVX-512 loops load 64 bytes (a whole vector) or 32 (a broadcast half) at a time; from a
 //! `Vec<f32>`, which the allocator aligns to 16 bytes only, every other one of those loads
 //! straddles two cache lines and costs two accesses. The attention's query, key rows and
-//! accumulators live in these instead (measured: about 10 % of the key loop over rows in L2).
+//! accumulators live in these instead (measured on the key loop over rows in L2: the kernel's
+//! own buffers aligned, about 6 % faster; the rows aligned too, another 15 %).
 
 /// Cache line size the buffers align to, in bytes.
 const LINE: usize = 64;
