@@ -319,8 +319,9 @@ mod tests {
         }
     }
 
-    /// The copies of the expand loop compiled for AVX-512 and AVX2 give the portable copy's
-    /// bits (widths with and without a vector tail, several tokens).
+    /// The expand loop (element loops innermost) and its copies compiled for AVX-512 and AVX2
+    /// give the bits of the formula summed element by element (widths with and without a
+    /// vector tail, several tokens).
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn expand_is_bit_identical_at_every_level() {
@@ -342,8 +343,33 @@ mod tests {
             let y: Vec<f32> = (0..t * h).map(|_| next()).collect();
             let streams: Vec<f32> = (0..t * n * h).map(|_| next()).collect();
             let mut old = vec![0f32; n * h];
+            // The formula element by element (sources innermost, as written in the doc of
+            // `expand`): the reference every copy must match bit for bit.
             let mut want = streams.clone();
-            expand_tokens(n, h, &mix, &y, &mut want, &mut old);
+            for ((m, yt), st) in mix
+                .iter()
+                .zip(y.chunks_exact(h))
+                .zip(want.chunks_exact_mut(n * h))
+            {
+                let prev = st.to_vec();
+                for j in 0..n {
+                    for c in 0..h {
+                        let mut acc = m.post[j] * yt[c];
+                        for src in 0..n {
+                            acc += m.comb[src * n + j] * prev[src * h + c];
+                        }
+                        st[j * h + c] = acc;
+                    }
+                }
+            }
+            let mut portable = streams.clone();
+            expand_tokens(n, h, &mix, &y, &mut portable, &mut old);
+            assert!(
+                portable
+                    .iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits())
+            );
             if SimdLevel::Avx512.is_available() {
                 let mut got = streams.clone();
                 // SAFETY: AVX-512 (F, with AVX2 and FMA) was checked just above.
