@@ -106,11 +106,11 @@ impl Reader for Fp8R {
     unsafe fn load(self, p: usize, l: usize, s: __m512) -> __m512 {
         // SAFETY: p < panels and l < k: 16 code bytes inside the panel buffer.
         let b = unsafe { _mm_loadu_si128(self.codes.add((p * self.k + l) * PANEL).cast()) };
-        let w = _mm256_cvtepu8_epi16(b);
-        // E4M3 `s eeee mmm` as the half `s 0eeee mmm 0000000`: the code's value / 256.
-        let sign = _mm256_slli_epi16::<8>(_mm256_and_si256(w, _mm256_set1_epi16(0x80)));
-        let mag = _mm256_slli_epi16::<7>(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)));
-        _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(sign, mag)), s)
+        // E4M3 `s eeee mmm` as the half `s 0eeee mmm 0000000`: the code's value / 256 (as
+        // `e4m3_halves`: sign-extended, shifted, the extension's bit 14 cleared).
+        let w = _mm256_slli_epi16::<7>(_mm256_cvtepi8_epi16(b));
+        let h = _mm256_and_si256(w, _mm256_set1_epi16(0xBFFF_u16 as i16));
+        _mm512_mul_ps(_mm512_cvtph_ps(h), s)
     }
 
     #[inline]
@@ -120,7 +120,7 @@ impl Reader for Fp8R {
         // consecutive inside the panel buffer.
         let b = unsafe { _mm256_loadu_si256(self.codes.add((p * self.k + l) * PANEL).cast()) };
         // The same halves as `load`, 32 at once (packing refused the NaN codes).
-        let h = crate::x86::avx512::e4m3_halves(_mm512_cvtepu8_epi16(b));
+        let h = crate::x86::avx512::e4m3_halves(_mm512_cvtepi8_epi16(b));
         let lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
         let hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64::<1>(h));
         (_mm512_mul_ps(lo, s), _mm512_mul_ps(hi, s))

@@ -455,16 +455,20 @@ pub(crate) fn quantize_mxfp4(rows: &[[f32; 128]], out: &mut [IndexMxfp4Entry]) -
 // ---------------------------------------------------------------------------------------------
 // Dequantizers.
 
-/// 32 E4M3 codes, zero-extended to 16-bit lanes (`vpmovzxbw`), as the IEEE halves of
+/// 32 E4M3 codes, sign-extended to 16-bit lanes (`vpmovsxbw`), as the IEEE halves of
 /// `code / 256`: `code << 7` puts the magnitude `eeee mmm` at bits 7..13 (exponent bias 15
-/// instead of 7, so the value divided by 256 exactly, subnormals included) and the sign at bit
-/// 14, which adding bit 14 to itself moves to 15. `vcvtph2ps` then widens each half exactly.
-/// The two NaN codes come out as a normal half: callers that can meet them patch them.
+/// instead of 7, so the value divided by 256 exactly, subnormals included), the sign at bit 14
+/// and a copy of it (the extension) at bit 15; clearing bit 14 leaves the half. `vcvtph2ps`
+/// then widens each half exactly. (Two operations on the widened codes, where zero extension
+/// needs a third to move the sign.) The two NaN codes come out as a normal half: callers that
+/// can meet them patch them.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw")]
 pub(crate) fn e4m3_halves(codes: __m512i) -> __m512i {
-    let a = _mm512_slli_epi16::<7>(codes);
-    _mm512_add_epi16(a, _mm512_and_si512(a, _mm512_set1_epi16(0x4000)))
+    _mm512_and_si512(
+        _mm512_slli_epi16::<7>(codes),
+        _mm512_set1_epi16(0xBFFF_u16 as i16),
+    )
 }
 
 /// A tile's 32 codes at once through [`e4m3_halves`], the two NaN codes replaced by
@@ -480,9 +484,9 @@ pub(crate) fn dequantize_fp8(entries: &[WindowFp8Entry], out: &mut [[f32; 512]])
         let ys: &mut [[[f32; 16]; 2]; 16] = transmute_mut!(y);
         for ((v, &sb), [y0, y1]) in vals.iter().zip(&e.scales).zip(ys) {
             // SAFETY: `v` is 32 readable bytes; `loadu` accepts any alignment.
-            let c = _mm512_cvtepu8_epi16(unsafe { _mm256_loadu_si256(v.as_ptr().cast()) });
+            let c = _mm512_cvtepi8_epi16(unsafe { _mm256_loadu_si256(v.as_ptr().cast()) });
             let h = e4m3_halves(c);
-            // The codes whose magnitude bits are all ones.
+            // The codes whose magnitude bits are all ones (the extension is above bit 7).
             let nan = _mm512_cmpeq_epi16_mask(_mm512_and_si512(c, magnitude), magnitude);
             let halves = [
                 (_mm512_castsi512_si256(h), nan as __mmask16),

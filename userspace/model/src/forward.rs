@@ -635,7 +635,11 @@ impl Model {
             self.attn
                 .attend_projected(l, &mut *m.store, &mut m.step, p, lt, ws)
         };
-        let mut attended = Vec::with_capacity(n * self.attn.dims().q_width());
+        let mut attended = if single {
+            Vec::new()
+        } else {
+            Vec::with_capacity(n * self.attn.dims().q_width())
+        };
         // Decode steps of several members: their attentions are independent, and one decode
         // query is too little work to split, so the members are spread over the threads
         // instead (prefill rows are split inside the attention).
@@ -663,10 +667,15 @@ impl Model {
         } else {
             for (m, p) in members.iter_mut().zip(projections) {
                 let a = attend(m, p, (single && trace.is_some()).then_some(&mut lt))?;
-                attended.extend_from_slice(&a);
+                // (One member, the prefill case: its rows are the whole step, not copied.)
+                if single {
+                    attended = a;
+                } else {
+                    attended.extend_from_slice(&a);
+                }
             }
         }
-        let y = self.attn.output(l, &attended, &positions)?;
+        let y = self.attn.output(l, attended, &positions)?;
         if single && trace.is_some() {
             lt.output = y.clone();
         }

@@ -1457,12 +1457,13 @@ impl Csa2Attention {
         joined(layer, "an attention", results)
     }
 
-    /// Inverse RoPE on `attended` (`[n, heads · head_dim]`) at `positions`, then the grouped
-    /// output projection; `[n, hidden]`.
+    /// Inverse RoPE on `attended` (`[n, heads · head_dim]`, rotated in place: taken by value
+    /// so a prefill step does not copy it) at `positions`, then the grouped output
+    /// projection; `[n, hidden]`.
     pub fn output(
         &self,
         layer: usize,
-        attended: &[f32],
+        mut attended: Vec<f32>,
         positions: &[u64],
     ) -> Result<Vec<f32>, Error> {
         let (_, w, rope) = self.spec(layer)?;
@@ -1474,11 +1475,10 @@ impl Csa2Attention {
             n * d.q_width(),
             attended.len(),
         )?;
-        let mut a = attended.to_vec();
-        rope.rotate_rows(&mut a, d.q_width(), d.head_dim, positions, true)
+        rope.rotate_rows(&mut attended, d.q_width(), d.head_dim, positions, true)
             .map_err(Error::kernel(layer, "inverse rope"))?;
         let mut out = vec![0f32; n * d.hidden];
-        self.grouped_output(n, &a, &w.wo_a, &w.wo_b, &mut out)
+        self.grouped_output(n, &attended, &w.wo_a, &w.wo_b, &mut out)
             .map_err(Error::kernel(layer, "wo_a/wo_b"))?;
         Ok(out)
     }
@@ -1581,7 +1581,7 @@ impl Csa2Attention {
         let proj = self.project(layer, x, &positions)?;
         let attended =
             self.attend_projected(layer, store, step, proj, trace.as_deref_mut(), window_start)?;
-        let out = self.output(layer, &attended, &positions)?;
+        let out = self.output(layer, attended, &positions)?;
         if let Some(tr) = trace {
             tr.output = out.clone();
         }

@@ -1111,7 +1111,7 @@ fn stages(attn: &Csa2Attention, dump: &Dump<'_>, sink: &mut Sink) -> Result<(), 
             sink.values(
                 l,
                 "output",
-                &attn.output(l, &att, &positions)?,
+                &attn.output(l, att, &positions)?,
                 dump.f32(&name("output"), &[1, t, d.hidden])?.as_deref(),
                 d.hidden,
             );
