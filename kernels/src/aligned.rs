@@ -41,6 +41,14 @@ impl AlignedF32 {
         &mut self.buf[self.start..self.start + self.len]
     }
 
+    /// `len` elements for a caller that writes every one: the allocation and its old
+    /// contents kept when the length is unchanged, else `len` zeros.
+    pub fn resize_for_overwrite(&mut self, len: usize) {
+        if len != self.len || self.buf.is_empty() {
+            *self = AlignedF32::zeroed(len);
+        }
+    }
+
     /// `len` zeros, reusing the allocation when the length is unchanged.
     pub fn reset(&mut self, len: usize) {
         if len == self.len && !self.buf.is_empty() {
@@ -95,8 +103,15 @@ mod tests {
             if len > 0 {
                 assert_eq!(c.as_slice().as_ptr() as usize % LINE, 0);
             }
+            b.resize_for_overwrite(len);
+            assert!(b.as_slice().iter().enumerate().all(|(i, &v)| v == i as f32));
             b.reset(len);
             assert!(b.as_slice().iter().all(|&v| v == 0.0));
+            b.as_mut_slice().fill(1.0);
+            b.resize_for_overwrite(len + 1);
+            assert_eq!(b.len(), len + 1);
+            assert!(b.as_slice().iter().all(|&v| v == 0.0));
+            assert_eq!(b.as_slice().as_ptr() as usize % LINE, 0);
             b.reset(len + 3);
             assert_eq!(b.len(), len + 3);
             assert!(b.as_slice().iter().all(|&v| v == 0.0));

@@ -360,7 +360,9 @@ impl SparseAttention {
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 fn interleave_pairs(q: &[f32], heads: usize, d: usize, out: &mut AlignedF32) {
     let chunks = d / 8;
-    out.reset(heads.div_ceil(2) * chunks * 16);
+    // Every element is written below (the odd head count's pad half included): no zeroing
+    // per query.
+    out.resize_for_overwrite(heads.div_ceil(2) * chunks * 16);
     let out = out.as_mut_slice();
     for (h, qh) in q.chunks_exact(d.max(1)).take(heads).enumerate() {
         let half = (h % 2) * 8;
@@ -368,6 +370,13 @@ fn interleave_pairs(q: &[f32], heads: usize, d: usize, out: &mut AlignedF32) {
         for (c, x) in qh.as_chunks::<8>().0.iter().enumerate() {
             let at = base + c * 16 + half;
             out[at..at + 8].copy_from_slice(x);
+        }
+    }
+    if heads % 2 == 1 {
+        let base = (heads / 2) * chunks * 16;
+        for c in 0..chunks {
+            let at = base + c * 16 + 8;
+            out[at..at + 8].fill(0.0);
         }
     }
 }
