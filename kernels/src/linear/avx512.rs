@@ -31,6 +31,20 @@ trait Reader: Copy {
     }
     /// Columns of `k` per scale block.
     fn bc(self) -> usize;
+    /// Hints the cache at panel `p`'s codes at `l` and `l + 1` (the few-row kernel asks for
+    /// the next panel group's while it decodes this one's; formats whose weights stream from
+    /// beyond the caches implement it).
+    #[inline(always)]
+    fn prefetch(self, _p: usize, _l: usize) {}
+}
+
+/// `_mm_prefetch` into all levels, for any address: a prefetch never faults, so the pointer
+/// is formed with `wrapping_add` and may point past the buffer (the last panel group's
+/// "next" one), where the hint is simply wasted.
+#[inline(always)]
+fn prefetch_at<T>(base: *const T, elements: usize) {
+    // SAFETY: prefetching reads nothing architecturally and never faults.
+    unsafe { _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(elements).cast()) };
 }
 
 #[derive(Clone, Copy)]
@@ -82,6 +96,12 @@ impl Reader for Bf16R {
     fn bc(self) -> usize {
         usize::MAX
     }
+
+    #[inline(always)]
+    fn prefetch(self, p: usize, l: usize) {
+        // 32 bytes an `l`: `l` and `l + 1` share a line.
+        prefetch_at(self.codes, (p * self.k + l) * PANEL);
+    }
 }
 
 #[derive(Clone, Copy)]
@@ -129,6 +149,14 @@ impl Reader for Fp8R {
     fn bc(self) -> usize {
         self.bc
     }
+
+    #[inline(always)]
+    fn prefetch(self, p: usize, l: usize) {
+        // 16 bytes an `l`: one line every fourth.
+        if l.is_multiple_of(4) {
+            prefetch_at(self.codes, (p * self.k + l) * PANEL);
+        }
+    }
 }
 
 #[derive(Clone, Copy)]
@@ -168,6 +196,14 @@ impl Reader for Fp4R {
 
     fn bc(self) -> usize {
         self.bc
+    }
+
+    #[inline(always)]
+    fn prefetch(self, p: usize, l: usize) {
+        // 8 bytes an `l`: one line every eighth.
+        if l.is_multiple_of(8) {
+            prefetch_at(self.codes, (p * self.k + l) * PANEL / 2);
+        }
     }
 }
 
@@ -211,6 +247,15 @@ unsafe fn micro<const R: usize, const P: usize, D: Reader>(
         // Pairs of `l` (each accumulator still takes `l`, then `l + 1`: the same chain).
         let mut ll = l;
         while ll + 1 < end {
+            // The next group's panels at the same `l`, so that their lines are on the way
+            // while this group decodes (the stored formats' readers: f32 and the tile path's
+            // decoded tile, already in cache, do not prefetch). A group's panels are
+            // contiguous, each its own run of lines, and with the hardware prefetcher alone
+            // (it starts over at every page) weights streamed from beyond the caches ran
+            // ~18 % slower (FP8, m = 1 and 4: 7.6 and 6.4 GB/s against 9.4 and 7.4).
+            for q in 0..P {
+                d.prefetch(p0 + q + P, ll);
+            }
             let mut w = [(_mm512_setzero_ps(), _mm512_setzero_ps()); P];
             for (q, w) in w.iter_mut().enumerate() {
                 // SAFETY: as above, ll + 1 < l1 <= k.
