@@ -2,7 +2,8 @@
 //! in registers (FP8 through `vcvtph2ps`, FP4 through a 16-entry `vpermps` table), f32 FMA
 //! chains in the module's fixed order.
 //!
-//! Few rows (decode): up to 4 rows x 4 panels of accumulators over the packed codes. Many
+//! Few rows (decode): up to 4 rows x 4 panels of accumulators over the packed codes, the next
+//! panel group's codes prefetched meanwhile (the weights stream from memory). Many
 //! rows (prefill): each 2-panel x [`KC`] tile is decoded once into an f32 buffer and up to 8
 //! rows x 2 panels run over it, so decoding costs once per tile, not once per row.
 
