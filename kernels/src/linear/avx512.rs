@@ -249,11 +249,12 @@ unsafe fn micro<const R: usize, const P: usize, D: Reader>(
         let mut ll = l;
         while ll + 1 < end {
             // The next group's panels at the same `l`, so that their lines are on the way
-            // while this group decodes (the stored formats' readers: f32 and the tile path's
-            // decoded tile, already in cache, do not prefetch). A group's panels are
-            // contiguous, each its own run of lines, and with the hardware prefetcher alone
-            // (it starts over at every page) weights streamed from beyond the caches ran
-            // ~18 % slower (FP8, m = 1 and 4: 7.6 and 6.4 GB/s against 9.4 and 7.4).
+            // while this group decodes (the FP8, FP4 and BF16 readers; f32 weights and the
+            // tile path's decoded tile, in cache already, do not prefetch). A group's
+            // panels are contiguous, each its own run of lines, and with the hardware
+            // prefetcher alone (it starts over at every page) weights streamed from beyond
+            // the caches ran ~18 % slower (FP8, m = 1 and 4: 7.6 and 6.4 GB/s against 9.4
+            // and 7.4).
             for q in 0..P {
                 d.prefetch(p0 + q + P, ll);
             }
