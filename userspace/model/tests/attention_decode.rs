@@ -169,6 +169,27 @@ fn decode_token_by_token_equals_prefill() {
     }
 }
 
+/// A prefill step whose queries read the selected entries as stored (each dequantizing its
+/// own, as a long context's steps do past `set_entry_decode_limit`) gives the bits of one that
+/// decodes each entry once for all its queries, and of decoding token by token.
+#[test]
+fn prefill_reading_stored_entries_equals_decoded_sharing() {
+    let (mut attn, inputs, t) = load();
+    let tokens = t.min(101);
+    let shared = run(&attn, &inputs, tokens, tokens, None);
+    attn.set_entry_decode_limit(0);
+    let stored = run(&attn, &inputs, tokens, tokens, None);
+    assert_same(&attn, &shared, &stored, "entries as stored");
+    let window = attn.dims().window;
+    let decode = run(&attn, &inputs, tokens, 1, Some(window));
+    for l in 0..shared.outputs.len() {
+        assert!(
+            stored.outputs[l] == shared.outputs[l] && stored.outputs[l] == decode.outputs[l],
+            "layer {l}: entries read as stored change the bits"
+        );
+    }
+}
+
 #[test]
 fn chunked_prefill_equals_one_shot_prefill() {
     let (attn, inputs, t) = load();

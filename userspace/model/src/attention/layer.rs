@@ -244,6 +244,9 @@ impl Projections {
     }
 }
 
+/// The default of [`Csa2Attention::set_entry_decode_limit`]: about a core's L2.
+pub const ENTRY_DECODE_BYTES: usize = 2 << 20;
+
 /// One query's rows for the tiled attention path: its window rows and its selected entries,
 /// each as a one-entry run.
 struct QueryRows<'a> {
@@ -322,6 +325,8 @@ pub struct Csa2Attention {
     threads: usize,
     /// Which path the sparse attention takes.
     path: AttentionPath,
+    /// [`Csa2Attention::set_entry_decode_limit`].
+    entry_decode_bytes: usize,
 }
 
 /// The path of a layer's sparse attention (see [`Csa2Attention::set_attention_path`]).
@@ -425,6 +430,7 @@ impl Csa2Attention {
             },
             threads: 1,
             path: AttentionPath::Auto,
+            entry_decode_bytes: ENTRY_DECODE_BYTES,
             window_codec: shape.window_codec(),
             entry_codec: shape.compressed_codec(),
             key_codec,
@@ -457,6 +463,17 @@ impl Csa2Attention {
     /// Threads for the attention of a prefill step (at least 1); results do not depend on it.
     pub fn set_threads(&mut self, threads: usize) {
         self.threads = threads.max(1);
+    }
+
+    /// The most bytes of f32 rows a prefill step decodes its selected entries into
+    /// ([`ENTRY_DECODE_BYTES`] by default). Each entry is decoded once per step and shared by
+    /// the step's queries while the decoded rows fit in a core's cache; a long context's
+    /// step selects more (up to every entry: megabytes per layer), and its queries would read
+    /// the decoded rows from memory, 2 KB each at 512 wide, so past the limit each query
+    /// reads the entries as stored (FP4: 288 bytes) and dequantizes its own. The values, and
+    /// so the results, are the same either way; `0` always reads them as stored.
+    pub fn set_entry_decode_limit(&mut self, bytes: usize) {
+        self.entry_decode_bytes = bytes;
     }
 
     /// A projection `out = x Wᵀ` (`W` `[n, k]` in its stored format) on the layer's threads
@@ -1259,12 +1276,14 @@ impl Csa2Attention {
         let mut attn = SparseAttention::new(self.shape);
         let hd = d.head_dim;
         // A step of several queries decodes each key once: the window rows the step reads
-        // (one contiguous range) and every selected entry, into f32 rows the queries share.
-        // (Both in cache-line-aligned buffers: rows of a multiple of 16 floats, as V4.1's 512,
-        // then start on a line, and none of the kernel's loads straddles two.)
+        // (one contiguous range) and every selected entry (while their rows fit the entry
+        // decode limit; past it the queries read the entries as stored), into f32 rows the
+        // queries share. (Both in cache-line-aligned buffers: rows of a multiple of 16 floats,
+        // as V4.1's 512, then start on a line, and none of the kernel's loads straddles two.)
         let (mut wdec, mut wlo) = (AlignedF32::default(), 0u64);
         let mut edec = AlignedF32::default();
         let mut eslot: Vec<u32> = Vec::new();
+        let mut ebytes: Vec<&[u8]> = Vec::new();
         if n > 1 {
             wlo = *sel.window_positions(positions[0]).start();
             let whi = positions[n - 1];
@@ -1278,7 +1297,8 @@ impl Csa2Attention {
                         .map_err(Error::kernel(layer, "sparse attention"))?;
                 }
             }
-            // Each selected entry once, in order of first use: its slot, then the rows.
+            // Each selected entry once, in order of first use: its slot, then its decoded row
+            // (or its stored bytes, resolved here: the store's accessors need not be `Sync`).
             let mut first: Vec<(u64, u64)> = Vec::new();
             for (i, &t) in positions.iter().enumerate() {
                 for j in sel.selected(i)? {
@@ -1292,18 +1312,25 @@ impl Csa2Attention {
                     }
                 }
             }
-            edec = AlignedF32::zeroed(first.len() * hd);
-            for (&(j, t), row) in first.iter().zip(edec.as_mut_slice().chunks_exact_mut(hd)) {
-                let e = keys.entry_row(j, t)?;
-                self.shape
-                    .decode_row(KeyRow::Compressed(e), row)
-                    .map_err(Error::kernel(layer, "sparse attention"))?;
+            if first.len() * hd * 4 > self.entry_decode_bytes {
+                for &(j, t) in &first {
+                    ebytes.push(keys.entry_row(j, t)?);
+                }
+            } else {
+                edec = AlignedF32::zeroed(first.len() * hd);
+                for (&(j, t), row) in first.iter().zip(edec.as_mut_slice().chunks_exact_mut(hd)) {
+                    let e = keys.entry_row(j, t)?;
+                    self.shape
+                        .decode_row(KeyRow::Compressed(e), row)
+                        .map_err(Error::kernel(layer, "sparse attention"))?;
+                }
             }
         }
-        let (wdec, edec) = (wdec.as_slice(), edec.as_slice());
+        let (wdec, edec, ebytes) = (wdec.as_slice(), edec.as_slice(), &ebytes);
         let qw = d.q_width();
         if n > 1 {
-            // Every key is decoded: the queries are independent and may run on several threads.
+            // Every key is decoded or resolved: the queries are independent and may run on
+            // several threads.
             let query = |i: usize, t: u64, attn: &mut SparseAttention, o: &mut [f32]| {
                 let mut rows: Vec<KeyRow<'_>> = Vec::with_capacity(d.window + d.index_topk);
                 for p in sel.window_positions(t) {
@@ -1312,7 +1339,10 @@ impl Csa2Attention {
                 }
                 for j in sel.selected(i)? {
                     let k = eslot[j as usize] as usize;
-                    rows.push(KeyRow::Decoded(&edec[k * hd..(k + 1) * hd]));
+                    rows.push(match ebytes.get(k) {
+                        Some(e) => KeyRow::Compressed(e),
+                        None => KeyRow::Decoded(&edec[k * hd..(k + 1) * hd]),
+                    });
                 }
                 attn.run(&q[i * qw..(i + 1) * qw], &w.sinks, rows, o)
                     .map_err(Error::kernel(layer, "sparse attention"))

@@ -28,7 +28,9 @@ mod store;
 pub mod verify;
 
 pub use dims::AttentionDims;
-pub use layer::{AttentionPath, Compressed, Csa2Attention, LayerTrace, Projections};
+pub use layer::{
+    AttentionPath, Compressed, Csa2Attention, ENTRY_DECODE_BYTES, LayerTrace, Projections,
+};
 pub use paged::{PagedStage, PagedStore, PagedView};
 pub use params::{
     AttentionWeights, CompressorWeights, IndexKeyWeights, IndexerWeights, LayerWeights,
