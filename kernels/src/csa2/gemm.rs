@@ -288,7 +288,10 @@ pub fn linear_threads(
     check_len("linear weight w [n, k]", n * k, w.len())?;
     check_len("output matrix [rows, cols]", m * n, out.len())?;
     let macs = m.saturating_mul(n).saturating_mul(k);
-    let t = threads.min(macs / MIN_MACS_PER_THREAD).min(m.max(n)).max(1);
+    let t = threads
+        .min(macs / crate::par::min_split_work(MIN_MACS_PER_THREAD))
+        .min(m.max(n))
+        .max(1);
     if t == 1 || crate::par::in_task() {
         return linear(x, w, m, k, n, out);
     }

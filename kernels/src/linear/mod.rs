@@ -524,7 +524,7 @@ impl PackedLinear {
         let (n, k) = (self.n, self.k);
         let macs = m.saturating_mul(n).saturating_mul(k);
         let t = threads
-            .min(macs / MIN_MACS_PER_THREAD)
+            .min(macs / crate::par::min_split_work(MIN_MACS_PER_THREAD))
             .min(m.max(self.panels))
             .max(1);
         if t == 1 || crate::par::in_task() {

@@ -546,7 +546,7 @@ impl Model {
         let threads = self
             .threads
             .min(jobs.len())
-            .min(flops / MIN_MOE_FLOPS_PER_THREAD)
+            .min(flops / kvstack_kernels::par::min_split_work(MIN_MOE_FLOPS_PER_THREAD))
             .max(1);
         let mut results: Vec<Option<Vec<f32>>> = vec![None; jobs.len()];
         if threads == 1 {
@@ -757,7 +757,28 @@ impl Model {
         Ok(())
     }
 
+    /// [`Model::run_batch_on`] with the model's threads as a team
+    /// (`kvstack_kernels::par::with_team`): a step's splits hand their parts to threads kept
+    /// spinning for the step instead of waking pool threads at each. Inside a task of a split
+    /// (a sequence group of [`Model::step_batch`]) the step runs on its own thread.
     fn run_batch(
+        &self,
+        items: &mut [BatchItem<'_>],
+        trace: Option<&mut ModelTrace>,
+        layers: Range<usize>,
+        forced: Option<&[ForcedInput]>,
+    ) -> Result<Vec<Vec<f32>>, Error> {
+        let helpers = if kvstack_kernels::par::in_task() {
+            0
+        } else {
+            self.threads - 1
+        };
+        kvstack_kernels::par::with_team(helpers, || self.run_batch_on(items, trace, layers, forced))
+    }
+
+    /// One step of every member of `items` over `layers` on the calling thread's team (or
+    /// alone); `trace` and `forced` as in [`Model::step_teacher_forced`].
+    fn run_batch_on(
         &self,
         items: &mut [BatchItem<'_>],
         mut trace: Option<&mut ModelTrace>,
@@ -879,12 +900,14 @@ impl Model {
     /// member's results equal those of [`Model::step`] on it alone.
     ///
     /// With several threads and a decode-sized step (every member at most
-    /// `SEQUENCE_PARALLEL_TOKENS` tokens), the members are split into one group per thread,
-    /// each group stepped on its own thread (its phases not split again): a decode step's
-    /// phases are too small to split across threads without waiting more than they save, and
-    /// a member's results do not depend on the members beside it, so the bits are the same.
-    /// Each group reads the weights itself, which the step's compute outweighs while it is
-    /// not bound by the weight stream.
+    /// `SEQUENCE_PARALLEL_TOKENS` tokens), the members are split into at most one group per
+    /// thread, each group stepped on its own thread with a team of the threads left over
+    /// (none with as many members as threads): a decode step's phases are short and many,
+    /// so even handed to a team their splits wait more than whole sequences on their own
+    /// threads do, and a member's results do not depend on the members beside it, so the
+    /// bits are the same. Each group reads the weights itself, which the step's compute
+    /// outweighs while it is not bound by the weight stream. Other steps run on one team of
+    /// all the threads.
     pub fn step_batch(&self, items: &mut [BatchItem<'_>]) -> Result<Vec<Vec<f32>>, Error> {
         let groups = self.threads.min(items.len());
         let decode = items
@@ -896,15 +919,20 @@ impl Model {
         // Bad input fails the whole step before any group touches its stores.
         self.check_items(items)?;
         let per = items.len().div_ceil(groups);
+        let groups = items.len().div_ceil(per);
+        // The threads left over after one a group (with more threads than members).
+        let helpers = self.threads / groups - 1;
         let mut results: Vec<Result<Vec<Vec<f32>>, Error>> = Vec::new();
-        results.resize_with(items.len().div_ceil(per), || Ok(Vec::new()));
+        results.resize_with(groups, || Ok(Vec::new()));
         let layers = 0..self.dims.layers;
         kvstack_kernels::par::run_tasks(items.chunks_mut(per).zip(results.iter_mut()).map(
             |(group, slot)| {
                 let layers = layers.clone();
                 move || {
                     *slot = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        self.run_batch(group, None, layers, None)
+                        kvstack_kernels::par::with_team(helpers, || {
+                            self.run_batch_on(group, None, layers, None)
+                        })
                     }))
                     .unwrap_or_else(|_| Err(Error::Panicked("a sequence group of the step".into())))
                 }

@@ -20,7 +20,10 @@ pub(crate) fn parts(rows: usize, threads: usize, work: usize) -> usize {
     if kvstack_kernels::par::in_task() {
         return 1;
     }
-    threads.min(rows).min(work / MIN_WORK_PER_THREAD).max(1)
+    threads
+        .min(rows)
+        .min(work / kvstack_kernels::par::min_split_work(MIN_WORK_PER_THREAD))
+        .max(1)
 }
 
 /// The first error of a split's parts; a part that panicked is an error too.

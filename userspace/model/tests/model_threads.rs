@@ -1,7 +1,8 @@
 //! `--threads` changes how a step is split, never what it computes: on the built-in tiny model
 //! (the real V4.1-Flash cache geometry, hidden 256), a prefill chunk large enough for every
-//! phase to split (HC, norms, router, attention projections, LM head) and batched decode
-//! steps give bit-identical logits and cache rows on 1, 2 and 3 threads.
+//! phase to split (HC, norms, router, attention projections, LM head), batched decode steps
+//! (sequence groups, with threads of their own at 4 threads) and a lone decode step (split
+//! phase by phase on a team) give bit-identical logits and cache rows on 1 to 4 threads.
 
 // Test code: a failed unwrap is a failed test, with its message.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -30,7 +31,7 @@ fn items<'a>(stores: &'a mut [ContiguousStore], toks: &'a [[u32; 1]]) -> Vec<Bat
 }
 
 /// Prefill of 160 tokens in one exact chunk (all logits), then 3 batched decode steps of two
-/// sequences; returns every logit computed.
+/// sequences and one step of the first alone; returns every logit computed.
 fn run(model: &Model) -> (Vec<u32>, Vec<ContiguousStore>) {
     let vocab = model.dims().vocab as u32;
     let mut out = Vec::new();
@@ -55,6 +56,7 @@ fn run(model: &Model) -> (Vec<u32>, Vec<ContiguousStore>) {
             out.extend(bits(l));
         }
     }
+    out.extend(bits(&model.decode(&mut stores[0], next[0]).unwrap()));
     (out, stores)
 }
 
@@ -71,7 +73,7 @@ fn every_thread_count_computes_the_same_bits() {
         bits(&m.prefill(&mut s, &prompt, PrefillMode::Ced, 128).unwrap())
     };
     let want_ced = ced(&model);
-    for threads in [2, 3] {
+    for threads in [2, 3, 4] {
         model.set_threads(threads);
         let (got, stores) = run(&model);
         assert!(got == want, "{threads} threads: logits differ");
