@@ -920,7 +920,7 @@ impl Model {
         self.check_items(items)?;
         let per = items.len().div_ceil(groups);
         let groups = items.len().div_ceil(per);
-        // The threads left over after one a group (with more threads than members).
+        // The threads left over after one for each group (more threads than members).
         let helpers = self.threads / groups - 1;
         let mut results: Vec<Result<Vec<Vec<f32>>, Error>> = Vec::new();
         results.resize_with(groups, || Ok(Vec::new()));
